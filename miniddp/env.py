@@ -1,0 +1,234 @@
+"""Rendezvous: who am I, how many are we, and where do we meet?
+
+What
+    ``DistEnv`` holds one process's place in the job (rank, local_rank,
+    world_size, local_world_size, node_rank) and the meeting point of the
+    rendezvous (master_addr, master_port). ``DistEnv.from_environ`` reads it from
+    torchrun's variables, from SLURM's, or defaults to a single process;
+    ``init_distributed`` selects the backend and device, and initialises the
+    process group with ``ddp_timeout``.
+
+Why
+    Every launcher says the same thing in its own words: torchrun sets ``RANK``,
+    ``LOCAL_RANK``, ``WORLD_SIZE``...; SLURM sets ``SLURM_PROCID``,
+    ``SLURM_LOCALID``, ``SLURM_NTASKS`` and a compressed host list such as
+    ``node[01-04,07]``. Reading them in one place means the training code never
+    has to know which launcher ran it.
+
+How torch differs
+    ``init_process_group(init_method="env://")`` reads only torchrun's variables
+    (``torch/distributed/rendezvous.py``); SLURM users usually run torchrun inside
+    ``srun``, or translate by hand (Lightning's ``SLURMEnvironment`` does it as we
+    do). torchrun takes precedence here: under ``srun ... torchrun`` the SLURM
+    variables describe the *node* task, torchrun's the process.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from .backend import default_device_kind, device_for_local_rank, select_backend
+from .timeouts import DEFAULT_TIMEOUT_S, as_timedelta
+
+LOOPBACK = "127.0.0.1"  # single-node jobs meet on loopback: nothing is exposed to the network
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """One process's place in a distributed job."""
+
+    rank: int = 0  # global rank, 0 .. world_size-1
+    local_rank: int = 0  # rank on this node: picks the device (cuda:local_rank)
+    world_size: int = 1  # processes in the job
+    local_world_size: int = 1  # processes on this node
+    node_rank: int = 0  # which node (torchrun's GROUP_RANK, SLURM_NODEID)
+    master_addr: str = LOOPBACK  # host of the rendezvous store (rank 0's node)
+    master_port: int = 29500  # its port
+    source: str = "single"  # "torchrun", "slurm", "explicit" or "single"
+    backend: str | None = None  # set by init_distributed
+    device: torch.device | None = None  # set by init_distributed
+
+    def __post_init__(self):
+        if self.world_size < 1:
+            raise ValueError(f"world_size={self.world_size} must be >= 1")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank={self.rank} must be in [0, world_size={self.world_size})")
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise ValueError(
+                f"local_rank={self.local_rank} must be in [0, local_world_size={self.local_world_size})"
+            )
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port={self.master_port} must be a TCP port (1-65535)")
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_environ(cls, environ=None) -> "DistEnv":
+        """torchrun's variables if set, else SLURM's, else a single process."""
+        env = os.environ if environ is None else environ
+        if "RANK" in env and "WORLD_SIZE" in env:
+            return _from_torchrun(env)
+        if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+            return _from_slurm(env)
+        return cls()
+
+
+def _int(env, name: str, default=None) -> int:
+    value = env.get(name, default)
+    if value is None:
+        raise ValueError(f"environment variable {name} is not set")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+# --8<-- [start:torchrun]
+def _from_torchrun(env) -> DistEnv:
+    world_size = _int(env, "WORLD_SIZE")
+    return DistEnv(
+        rank=_int(env, "RANK"),
+        local_rank=_int(env, "LOCAL_RANK", 0),
+        world_size=world_size,
+        local_world_size=_int(env, "LOCAL_WORLD_SIZE", world_size),
+        node_rank=_int(env, "GROUP_RANK", 0),
+        master_addr=env.get("MASTER_ADDR", LOOPBACK),
+        master_port=_int(env, "MASTER_PORT", 29500),
+        source="torchrun",
+    )
+# --8<-- [end:torchrun]
+
+
+# --8<-- [start:slurm]
+def _from_slurm(env) -> DistEnv:
+    node_id = _int(env, "SLURM_NODEID", 0)
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "localhost"
+    hosts = parse_slurm_nodelist(nodelist)
+    if "MASTER_PORT" in env:
+        port = _int(env, "MASTER_PORT")
+    else:  # every task derives the same port from the job id; jobs on one node differ
+        port = 15000 + _int(env, "SLURM_JOB_ID", 0) % 20000
+    tasks_per_node = env.get("SLURM_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE")
+    world_size = _int(env, "SLURM_NTASKS")
+    local_world_size = (
+        parse_slurm_tasks_per_node(tasks_per_node)[node_id] if tasks_per_node else world_size
+    )
+    return DistEnv(
+        rank=_int(env, "SLURM_PROCID"),
+        local_rank=_int(env, "SLURM_LOCALID", 0),
+        world_size=world_size,
+        local_world_size=local_world_size,
+        node_rank=node_id,
+        master_addr=env.get("MASTER_ADDR", hosts[0]),
+        master_port=port,
+        source="slurm",
+    )
+# --8<-- [end:slurm]
+
+
+_HOST = re.compile(r"([^,\[\]]*)(\[[^\[\]]*\])?")  # a prefix, then an optional [ranges]
+
+
+# --8<-- [start:nodelist]
+def parse_slurm_nodelist(nodelist: str) -> list[str]:
+    """Expand SLURM's compressed host list: ``"node[01-03,07],gpu5"`` ->
+    ``["node01", "node02", "node03", "node07", "gpu5"]``. Zero padding is kept;
+    several bracket groups in one name multiply (``r[1-2]n[1-2]`` -> 4 hosts)."""
+    if not isinstance(nodelist, str) or not nodelist.strip():
+        raise ValueError(f"SLURM_NODELIST={nodelist!r} is empty; expected e.g. 'node[01-04],gpu5'")
+    text = nodelist.strip()
+    if text.count("[") != text.count("]"):
+        raise ValueError(f"SLURM_NODELIST={nodelist!r} has unbalanced brackets")
+    hosts: list[str] = []
+    for name in _split_top_level(text, nodelist):
+        expansions = [""]
+        for prefix, bracket in _HOST.findall(name):
+            if not prefix and not bracket:
+                continue
+            parts = [prefix]
+            if bracket:
+                parts = [prefix + n for n in _expand_ranges(bracket[1:-1], nodelist)]
+            expansions = [e + p for e in expansions for p in parts]
+        hosts.extend(expansions)
+    return hosts
+# --8<-- [end:nodelist]
+
+
+def _split_top_level(text: str, original: str) -> list[str]:
+    """Split at commas that are not inside brackets."""
+    names, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += (ch == "[") - (ch == "]")
+        if depth not in (0, 1):
+            raise ValueError(f"SLURM_NODELIST={original!r} has nested or stray brackets")
+        if ch == "," and depth == 0:
+            names.append(text[start:i])
+            start = i + 1
+    names.append(text[start:])
+    if any(not n or n.startswith("[") for n in names):
+        raise ValueError(f"SLURM_NODELIST={original!r} has an empty host name")
+    return names
+
+
+def _expand_ranges(spec: str, original: str) -> list[str]:
+    out = []
+    for item in spec.split(","):
+        lo, sep, hi = item.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"SLURM_NODELIST={original!r}: {item!r} is not a number or a range like 01-04")
+        if not sep:
+            out.append(lo)
+            continue
+        if int(hi) < int(lo):
+            raise ValueError(f"SLURM_NODELIST={original!r}: range {item!r} runs backwards")
+        width = len(lo)  # "01-04" keeps two digits
+        out.extend(str(n).zfill(width) for n in range(int(lo), int(hi) + 1))
+    return out
+
+
+def parse_slurm_tasks_per_node(spec: str) -> list[int]:
+    """``SLURM_TASKS_PER_NODE="4(x2),3"`` -> ``[4, 4, 3]`` (tasks on each node)."""
+    counts = []
+    for item in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
+        if not m:
+            raise ValueError(f"SLURM_TASKS_PER_NODE={spec!r}: cannot read {item!r}")
+        counts.extend([int(m.group(1))] * int(m.group(2) or 1))
+    return counts
+
+
+# --8<-- [start:init_distributed]
+def init_distributed(backend: str = "auto", timeout=DEFAULT_TIMEOUT_S, env: DistEnv | None = None) -> DistEnv:
+    """Join the job: read the environment, pick device and backend, init the process group.
+
+    Returns the ``DistEnv`` with ``backend`` and ``device`` filled in. A single
+    process (no launcher) gets a world of one on an in-memory store, so the same
+    training script runs with and without torchrun.
+    """
+    env = env or DistEnv.from_environ()
+    kind = default_device_kind()
+    if backend == "gloo":
+        kind = "cpu"  # gloo on a GPU machine: the user asked for CPU training
+    device = device_for_local_rank(env.local_rank, kind)
+    name = select_backend(device, backend)
+    if dist.is_initialized():  # already joined (e.g. a notebook cell run twice)
+        return replace(env, backend=dist.get_backend(), device=device)
+    kwargs = dict(backend=name, rank=env.rank, world_size=env.world_size, timeout=as_timedelta(timeout))
+    if env.world_size == 1:
+        kwargs["store"] = dist.HashStore()  # nothing to meet: no port, no network
+    elif env.source == "torchrun":
+        kwargs["init_method"] = "env://"  # lets torchrun hand us its own store
+    else:
+        kwargs["init_method"] = f"tcp://{env.master_addr}:{env.master_port}"
+    if name == "nccl":
+        kwargs["device_id"] = device  # binds the communicator to our GPU eagerly
+    dist.init_process_group(**kwargs)
+    return replace(env, backend=name, device=device)
+# --8<-- [end:init_distributed]

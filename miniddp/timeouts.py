@@ -1,0 +1,132 @@
+"""Timeouts: how long a rank waits for the others before it gives up.
+
+What
+    ``as_timedelta`` validates Hugging Face's ``ddp_timeout`` (seconds, default
+    1800) and turns it into the ``timedelta`` that ``init_process_group`` takes;
+    ``monitored_barrier`` is a barrier that, when it times out, says *which*
+    ranks never arrived; ``nccl_watchdog_env`` spells out the environment that
+    makes NCCL raise instead of hanging.
+
+Why
+    Every collective is a rendezvous: if one rank is slow (loading a big model,
+    writing a checkpoint, stuck in a data loader) or dead, the others block inside
+    ``all_reduce``. Without a timeout that is a silent hang that burns a whole
+    allocation; with one it is an error, but usually on the *waiting* rank, whose
+    message says little about the culprit. Naming the missing rank is the fix.
+
+How torch differs
+    ``init_process_group(timeout=...)`` defaults to 30 min for gloo and 10 min for
+    NCCL (``torch/distributed/constants.py``); Transformers passes ``ddp_timeout``
+    (1800 s) to it. On gloo a blocked collective raises on the waiting rank
+    ("Timed out waiting 3000ms for recv"). On NCCL a collective returns at once
+    and the *watchdog* thread aborts the communicator after the timeout
+    (``TORCH_NCCL_ASYNC_ERROR_HANDLING``), tearing the process down, unless
+    ``TORCH_NCCL_BLOCKING_WAIT=1`` makes ``wait()`` raise instead
+    (``ProcessGroupNCCL.cpp``). ``torch.distributed.monitored_barrier`` exists but
+    is gloo-only and only rank 0 learns who is missing; ours uses the process
+    group's key-value store, so every rank can name the missing ones, on any backend.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+#: Hugging Face's default ``ddp_timeout``: 30 minutes.
+DEFAULT_TIMEOUT_S = 1800
+
+
+class StalledRankError(RuntimeError):
+    """A barrier timed out; ``.missing`` holds the ranks that never arrived."""
+
+    def __init__(self, message: str, missing: list[int]):
+        super().__init__(message)
+        self.missing = missing  # global ranks that had not reached the barrier
+
+
+# --8<-- [start:as_timedelta]
+def as_timedelta(timeout, name: str = "ddp_timeout") -> timedelta:
+    """``timeout`` in seconds (int/float) or a ``timedelta`` -> a positive ``timedelta``."""
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"{name} must be seconds (int or float) or a timedelta, got {timeout!r}")
+    if math.isnan(seconds) or math.isinf(seconds):
+        raise ValueError(f"{name}={timeout!r} is not a finite number of seconds; use e.g. {name}=1800")
+    if seconds <= 0:
+        raise ValueError(
+            f"{name}={timeout!r} must be > 0 seconds (default {DEFAULT_TIMEOUT_S}); "
+            "a rank waits this long for its peers before raising"
+        )
+    return timedelta(seconds=seconds)
+# --8<-- [end:as_timedelta]
+
+
+def init_process_group(backend: str, timeout=DEFAULT_TIMEOUT_S, **kwargs) -> None:
+    """``torch.distributed.init_process_group`` with a validated ``ddp_timeout``."""
+    dist.init_process_group(backend=backend, timeout=as_timedelta(timeout), **kwargs)
+
+
+def nccl_watchdog_env(blocking_wait: bool = False) -> dict[str, str]:
+    """Environment variables that turn an NCCL hang into an error (set before init).
+
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``: the watchdog aborts the communicator and
+    the process when a collective exceeds the timeout (3, torch's default since
+    2.2, does the same without the clean-up). ``TORCH_NCCL_BLOCKING_WAIT=1``: a
+    ``work.wait()`` blocks and raises ``DistBackendError`` in Python instead, which
+    a test or a retry loop can catch.
+    """
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    if blocking_wait:
+        env["TORCH_NCCL_BLOCKING_WAIT"] = "1"
+    return env
+
+
+_barrier_calls = 0  # how many monitored barriers this process has entered (keys are per call)
+
+
+# --8<-- [start:monitored_barrier]
+def monitored_barrier(timeout=60, store=None, group=None) -> None:
+    """Wait until every rank arrives, or raise ``StalledRankError`` naming the absent ones.
+
+    Each rank writes ``mb/<call>/<rank>`` to the store and waits for all the others'
+    keys. On timeout it checks which keys are missing: those ranks are the stalled
+    ones, and every rank that timed out can say so (torch's gloo-only version
+    tells only rank 0). It also marks the call failed, so that a latecomer
+    raises too instead of sailing through a barrier the others gave up on.
+    """
+    global _barrier_calls
+    _barrier_calls += 1
+    deadline = as_timedelta(timeout, name="timeout")
+    store = store if store is not None else dist.distributed_c10d._get_default_store()
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    me = dist.get_rank()
+    prefix = f"mb/{_barrier_calls}"
+    store.set(f"{prefix}/{me}", "arrived")
+    start = time.monotonic()
+    try:
+        store.wait([f"{prefix}/{r}" for r in ranks], deadline)
+    except RuntimeError:  # the store's wait raises on timeout (DistStoreError)
+        missing = [r for r in ranks if not store.check([f"{prefix}/{r}"])]
+        if not missing:  # the last one arrived just as we gave up: that is a pass
+            return
+        store.set(f"{prefix}/failed", ",".join(map(str, missing)))
+        waited = time.monotonic() - start
+        raise StalledRankError(
+            f"rank {me}: rank(s) {missing} did not reach the barrier within {waited:.1f} s "
+            f"(timeout {deadline.total_seconds():g} s). Look at what those ranks were doing: "
+            "a slow load or save, a data loader stall, an exception, or a branch only some ranks take.",
+            missing,
+        ) from None
+    if store.check([f"{prefix}/failed"]):
+        missing = [int(r) for r in store.get(f"{prefix}/failed").decode().split(",") if r]
+        raise StalledRankError(
+            f"rank {me} reached the barrier late: the other ranks gave up waiting for rank(s) {missing}",
+            missing,
+        )
+# --8<-- [end:monitored_barrier]

@@ -1,0 +1,22 @@
+"""Shared test set-up: every multi-rank test goes through ``miniddp.testing``."""
+
+import os
+
+import pytest
+import torch
+
+# The parent process (a pytest-xdist worker) never needs more than one thread:
+# the ranks it starts do the work, and 2 cores are shared by everything.
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """An environment with no launcher variables, for DistEnv tests."""
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "TORCHELASTIC_")) or name in (
+            "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+        ):
+            monkeypatch.delenv(name)
+    return monkeypatch

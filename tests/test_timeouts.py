@@ -1,0 +1,104 @@
+"""Timeouts: ddp_timeout validation, what a stalled rank does, and a barrier that names it."""
+
+import math
+import re
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import miniddp
+from miniddp.testing import RankError, backend_params, run_on_ranks
+from miniddp.timeouts import monitored_barrier, nccl_watchdog_env
+
+
+@pytest.mark.parametrize("value, seconds", [(1800, 1800), (2.5, 2.5), (timedelta(minutes=2), 120)])
+def test_as_timedelta_accepts_seconds_and_timedeltas(value, seconds):
+    assert miniddp.as_timedelta(value) == timedelta(seconds=seconds)
+
+
+def test_default_is_hugging_face_default():
+    assert miniddp.DEFAULT_TIMEOUT_S == 1800
+
+
+@pytest.mark.parametrize("bad", [0, -1, -0.5, math.nan, math.inf, timedelta(0), timedelta(seconds=-3)])
+def test_non_positive_or_nan_timeouts_are_rejected(bad):
+    with pytest.raises(ValueError, match="ddp_timeout"):
+        miniddp.as_timedelta(bad)
+
+
+@pytest.mark.parametrize("bad", ["30", None, True])
+def test_wrong_types_are_rejected(bad):
+    with pytest.raises(TypeError, match="ddp_timeout"):
+        miniddp.as_timedelta(bad)
+
+
+def test_nccl_watchdog_env():
+    assert nccl_watchdog_env() == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    assert nccl_watchdog_env(blocking_wait=True)["TORCH_NCCL_BLOCKING_WAIT"] == "1"
+
+
+# --8<-- [start:stall]
+def _one_rank_stalls(rank, world_size, backend, timeout_s):
+    import os
+
+    if backend == "nccl":
+        os.environ.update(nccl_watchdog_env(blocking_wait=True))  # raise in Python, not abort
+    env = miniddp.init_distributed(backend=backend, timeout=timeout_s)
+    if rank == 1:
+        time.sleep(4 * timeout_s)  # a slow checkpoint, a stuck data loader...
+    start = time.monotonic()
+    t = torch.ones(4, device=env.device)
+    dist.all_reduce(t)  # rank 0 waits here for rank 1
+    if env.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.monotonic() - start
+
+
+@pytest.mark.parametrize("backend", backend_params(2))
+def test_stalled_rank_makes_its_peer_raise_within_the_timeout(backend):
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run_on_ranks(_one_rank_stalls, 2, backend, 3, backend=backend, init=False, timeout=30, grace=0.5)
+    elapsed = time.monotonic() - start
+    assert info.value.rank == 0  # the waiting rank is the one that raises
+    assert re.search(r"time(d)?\s?out", str(info.value), re.IGNORECASE), str(info.value)
+    assert elapsed < 10, f"peer took {elapsed:.1f} s to notice a 3 s timeout"
+# --8<-- [end:stall]
+
+
+def _barrier_with_a_late_rank(rank, world_size, late_rank, sleep_s):
+    if rank == late_rank:
+        time.sleep(sleep_s)
+    try:
+        monitored_barrier(timeout=1.5)
+    except miniddp.StalledRankError as exc:
+        return exc.missing, str(exc)
+    return None
+
+
+def test_monitored_barrier_names_the_missing_rank_on_every_rank():
+    results = run_on_ranks(_barrier_with_a_late_rank, 3, 2, 4.0, timeout=30)
+    for rank in (0, 1):
+        missing, message = results[rank]
+        assert missing == [2], results
+        assert "rank(s) [2] did not reach the barrier" in message
+    late_missing, late_message = results[2]  # the latecomer learns it was left behind
+    assert late_missing == [2] and "late" in late_message
+
+
+def _barrier_three_times(rank, world_size):
+    for _ in range(3):
+        monitored_barrier(timeout=10)
+    return "passed"
+
+
+def test_monitored_barrier_passes_when_everyone_arrives():
+    assert run_on_ranks(_barrier_three_times, 3, timeout=30) == ["passed"] * 3
+
+
+def test_monitored_barrier_validates_its_timeout():
+    with pytest.raises(ValueError, match="timeout=-1"):
+        monitored_barrier(timeout=-1)  # refused before it touches any store

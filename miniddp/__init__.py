@@ -7,6 +7,11 @@ re-exports the public names so that ``import miniddp`` is all a user needs.
 from .backend import DEVICE_BACKENDS, device_for_local_rank, select_backend
 from .env import DistEnv, init_distributed, parse_slurm_nodelist
 from .timeouts import DEFAULT_TIMEOUT_S, StalledRankError, as_timedelta, monitored_barrier
+from .bucketing import compute_bucket_assignment
+from .ddp import DistributedDataParallel
+from .no_sync import accumulation_windows, no_sync, should_sync
+from .sharding import ShardSampler
+from .averaging import average_gradients, ring_all_reduce
 
 __version__ = "0.1.0"
 
@@ -14,11 +19,19 @@ __all__ = [
     "DEVICE_BACKENDS",
     "DEFAULT_TIMEOUT_S",
     "DistEnv",
+    "DistributedDataParallel",
+    "ShardSampler",
     "StalledRankError",
+    "accumulation_windows",
     "as_timedelta",
+    "average_gradients",
+    "compute_bucket_assignment",
     "device_for_local_rank",
     "init_distributed",
     "monitored_barrier",
+    "no_sync",
     "parse_slurm_nodelist",
+    "ring_all_reduce",
     "select_backend",
+    "should_sync",
 ]

@@ -1,0 +1,70 @@
+"""No-sync gradient accumulation: communicate once per optimizer step, not per micro-batch.
+
+What
+    ``no_sync(ddp)`` (also ``ddp.no_sync()``) is a context manager: backward passes
+    whose *forward* ran inside it accumulate gradients locally in ``.grad`` with no
+    communication; the first synced backward after it averages the accumulated
+    sums. ``should_sync`` decides which micro-step of a
+    ``gradient_accumulation_steps`` window syncs, and ``accumulation_windows``
+    gives each window's real length (the last one of an epoch may be short).
+
+Why
+    With ``gradient_accumulation_steps=k`` the optimizer steps once per *k*
+    micro-batches. Averaging after every micro-batch would send *k* times the
+    bytes for the same result, since all-reduce is linear: the mean of sums is the
+    sum of means. So only the last micro-batch of a window syncs (Hugging Face's
+    Trainer and Accelerate do the same: ``accelerator.accumulate``).
+
+How torch differs
+    Same semantics as ``DistributedDataParallel.no_sync`` in
+    ``torch/nn/parallel/distributed.py``: it flips ``require_backward_grad_sync``,
+    and what counts is the flag's value **during the forward** (that is when the
+    reducer is armed), so the forward must sit inside the context; a backward
+    inside it whose forward ran outside still synchronises. Hugging Face syncs on
+    the last micro-batch of a window and on the last batch of an epoch.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+
+# --8<-- [start:no_sync]
+@contextmanager
+def no_sync(ddp):
+    """Inside: forwards arm no gradient hooks, so their backwards stay local."""
+    previous = ddp.require_backward_grad_sync  # nested no_sync restores correctly
+    ddp.require_backward_grad_sync = False
+    try:
+        yield
+    finally:
+        ddp.require_backward_grad_sync = previous
+# --8<-- [end:no_sync]
+
+
+# --8<-- [start:schedule]
+def should_sync(step: int, gradient_accumulation_steps: int, num_batches: int | None = None) -> bool:
+    """Does micro-batch ``step`` (0-based, within the epoch) end an accumulation window?
+
+    Yes on the *last* micro-batch of each window, ``(step + 1) % k == 0``, and on
+    the last batch of the epoch. The classic off-by-one, ``step % k == 0``, syncs
+    the *first* micro-batch instead: the optimizer then steps on one micro-batch's
+    average plus k-1 unsynchronised local gradients, and the replicas drift apart.
+    """
+    if gradient_accumulation_steps < 1:
+        raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps} must be >= 1")
+    if step < 0:
+        raise ValueError(f"step={step} must be >= 0")
+    last_of_epoch = num_batches is not None and step + 1 == num_batches
+    return (step + 1) % gradient_accumulation_steps == 0 or last_of_epoch
+
+
+def accumulation_windows(num_batches: int, gradient_accumulation_steps: int) -> list[int]:
+    """Lengths of the windows an epoch splits into: ``(10, 4) -> [4, 4, 2]``.
+
+    Divide each micro-batch's loss by its window's *real* length, so a short last
+    window is still an average and not a sum scaled down by k.
+    """
+    ends = [s for s in range(num_batches) if should_sync(s, gradient_accumulation_steps, num_batches)]
+    return [end - start for start, end in zip([-1] + ends, ends)]
+# --8<-- [end:schedule]

@@ -1,0 +1,137 @@
+"""Bucket assignment (against torch's own function), bucket order, views, overlap, rebuild."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import miniddp
+from miniddp.bucketing import MiB, Bucket, bucket_size_limits
+from miniddp.testing import run_on_ranks
+from miniddp.trace import Tracer
+from models import MODELS
+
+
+def _oracle(tensors, limits):
+    return dist._compute_bucket_assignment_by_size(tensors, limits)[0]
+
+
+def _t(numel, dtype=torch.float32):
+    return torch.empty(numel, dtype=dtype)
+
+
+# PyTorch's own cases (test/distributed/test_c10d_common.py, ComputeBucketAssignmentTest)
+TORCH_CASES = [
+    ([_t(50)] * 4, [400], [[0, 1], [2, 3]]),  # single limit, single dtype
+    ([_t(10)] * 4, [40, 80], [[0], [1, 2], [3]]),  # limits in sequence, the last repeating
+    ([_t(50), _t(25, torch.float64)] * 3, [400], [[0, 2], [1, 3], [4], [5]]),  # one open bucket per dtype
+    ([_t(50), _t(25, torch.float64)] * 3, [200, 400], [[0], [1], [2, 4], [3, 5]]),  # limits per dtype
+    ([_t(100), _t(200), _t(100), _t(50)], [400], [[0], [1], [2], [3]]),  # a tensor over the limit
+]
+
+
+@pytest.mark.parametrize("tensors, limits, expected", TORCH_CASES)
+def test_pytorch_cases(tensors, limits, expected):
+    assert miniddp.compute_bucket_assignment(tensors, limits) == expected
+    assert _oracle(tensors, limits) == expected
+
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    specs=st.lists(st.tuples(st.integers(1, 300), st.sampled_from(DTYPES)), min_size=1, max_size=25),
+    limits=st.lists(st.integers(1, 3000), min_size=1, max_size=4),
+)
+def test_equals_torch_on_generated_cases(specs, limits):
+    tensors = [_t(n, d) for n, d in specs]
+    assert miniddp.compute_bucket_assignment(tensors, limits) == _oracle(tensors, limits)
+
+
+def test_defaults_are_torchs():
+    assert bucket_size_limits(None) == [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * MiB]
+    assert bucket_size_limits(4) == [4 * MiB]  # an explicit cap applies to every bucket
+
+
+@pytest.mark.parametrize("bad", [0, -1, "25", True, float("nan")])
+def test_bad_caps_are_named(bad):
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        bucket_size_limits(bad)
+
+
+def test_bad_limits_are_refused():
+    with pytest.raises(ValueError, match="bucket_size_limits"):
+        miniddp.compute_bucket_assignment([_t(4)], [])
+
+
+def test_bucket_layout_and_views():
+    params = [torch.nn.Parameter(torch.randn(2, 3)), torch.nn.Parameter(torch.randn(4))]
+    b = Bucket(0, params, ["a", "b"])
+    assert b.buffer.numel() == 6 + 4 + 2  # gradients, then one used-counter per parameter
+    b.put(0, torch.full((2, 3), 4.0), world_size=2, as_view=False)
+    b.put(1, None, world_size=2, as_view=False)  # no gradient here: zeros, counter 0
+    assert torch.equal(b.views[0], torch.full((2, 3), 2.0)) and torch.equal(b.views[1], torch.zeros(4))
+    assert b.used.tolist() == [1.0, 0.0] and b.pending == 0
+
+
+def test_bucket_view_makes_grad_alias_the_buffer():
+    p = torch.nn.Parameter(torch.randn(5))
+    p.grad = torch.full((5,), 6.0)
+    b = Bucket(0, [p], ["p"])
+    b.put(0, p.grad, world_size=3, as_view=True)
+    assert p.grad.data_ptr() == b.views[0].data_ptr() and torch.equal(p.grad, torch.full((5,), 2.0))
+
+
+def _assignment_and_trace(rank, world_size, model_name, cap, steps):
+    torch.manual_seed(0)
+    model = MODELS[model_name]()
+    tracer = Tracer(rank)
+    ddp = miniddp.DistributedDataParallel(model, bucket_cap_mb=cap, tracer=tracer)
+    before = ddp.bucket_assignment
+    for step in range(steps):
+        tracer.clear()
+        torch.manual_seed(rank + 10 * step)
+        F.mse_loss(ddp(torch.randn(4, 8)), torch.zeros(4, 4)).backward()
+    ready = [e["param"] for e in tracer.events if e["name"] == "grad ready"]
+    launched = [e["bucket"] for e in tracer.events if e["name"] == "bucket launched"]
+    return before, ddp.bucket_assignment, ready, launched, tracer.events
+
+
+def test_buckets_reduce_in_reverse_registration_order():
+    [(before, _, ready, launched, _)] = run_on_ranks(_assignment_and_trace, 1, "mlp", 0.0001, 1, timeout=30)
+    params = dict(MODELS["mlp"]().named_parameters())
+    names = list(params)
+    # torch DDP: fill in registration order with the cap, then reverse the list of buckets
+    expected = [[names[i] for i in b] for b in reversed(_oracle(list(params.values()), [int(0.0001 * MiB)]))]
+    assert before == expected == [["fc3.bias"], ["fc2.bias", "fc3.weight"], ["fc1.bias", "fc2.weight"], ["fc1.weight"]]
+    assert ready[0] == "fc3.bias"  # the last layer's gradients arrive first
+
+
+def test_buckets_launch_in_order_on_every_rank():
+    results = run_on_ranks(_assignment_and_trace, 3, "mlp", 0.0002, 2, timeout=60)
+    for _, after, _, launched, _ in results:
+        assert launched == sorted(launched) == list(range(len(after)))
+    assert len({str(r[1]) for r in results}) == 1  # every rank agrees on the buckets
+
+
+def test_rebuild_follows_the_order_gradients_arrived():
+    # ReverseOrder registers last, middle, first but runs first, middle, last: registration
+    # order puts "first" in the first-reduced bucket, yet its gradient arrives last
+    [(before, after, ready, launched, _)] = run_on_ranks(_assignment_and_trace, 2, "reverse_order", 0.0002, 2,
+                                                        timeout=60)[:1]
+    assert before[0][0].startswith("first")
+    assert after[0][0].startswith("last") and after[-1][-1].startswith("first")
+    flat_after = [n for bucket in after for n in bucket]
+    assert flat_after == ready  # second iteration: buckets fill exactly in arrival order
+
+
+def test_first_bucket_launches_before_backward_ends():
+    [(_, _, _, _, events)] = run_on_ranks(_assignment_and_trace, 2, "mlp", 0.0001, 2, timeout=60)[:1]
+    t = {}
+    for e in events:
+        t.setdefault((e["name"], e.get("bucket")), e["t"])
+    assert t[("bucket launched", 0)] < t[("backward end", None)]  # communication overlaps backward
+    assert t[("grad ready", None)] < t[("bucket launched", 0)]

@@ -1,0 +1,139 @@
+"""Sharding: which samples each rank reads, so that together they read the dataset once.
+
+What
+    ``ShardSampler(dataset, num_replicas, rank, shuffle=True, seed=0, drop_last=False)``
+    is a ``Sampler`` that yields this rank's share of the dataset's indices. Every
+    rank builds the *same* permutation of ``range(len(dataset))`` (seeded with
+    ``seed + epoch``), pads it (or trims it, with ``drop_last``) to a multiple of
+    ``num_replicas``, and keeps every ``num_replicas``-th index starting at its
+    rank: ``indices[rank:total_size:num_replicas]``. Call ``set_epoch(e)`` at the
+    start of each epoch, or every epoch sees the same order.
+
+Why
+    Data parallelism splits a global batch across ranks. Two properties make the
+    split correct: (1) the shards are disjoint and together cover the data, so an
+    epoch reads each sample once (up to padding); (2) every rank gets the same
+    number of samples, so every rank runs the same number of steps and no rank
+    waits forever in an all-reduce the others never start. Striding by rank also
+    makes step ``k``'s *global* batch a contiguous slice of the permutation,
+    ``indices[k*B:(k+1)*B]`` for a global batch ``B``, whatever ``num_replicas``
+    is: the reason training on N ranks can equal one process on the global batch.
+
+How torch differs
+    It does not, by design: this is ``torch.utils.data.DistributedSampler``
+    (``torch/utils/data/distributed.py``), rewritten and held to it index for index
+    by ``tests/test_sharding.py``. Two differences in the errors only: a
+    ``num_replicas`` below 1 is a ``ValueError`` here (torch divides by zero
+    later), and every message names the argument and the fix. Hugging Face's
+    Trainer and Accelerate use torch's sampler (Accelerate wraps it as
+    ``BatchSamplerShard`` when it shards a DataLoader itself).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterator, Sized
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+
+def _default_replicas_and_rank(num_replicas, rank) -> tuple[int, int]:
+    """Fill whichever of ``num_replicas`` / ``rank`` is ``None`` from the process group."""
+    if num_replicas is not None and rank is not None:
+        return num_replicas, rank
+    if not (dist.is_available() and dist.is_initialized()):
+        missing = " and ".join(n for n, v in (("num_replicas", num_replicas), ("rank", rank)) if v is None)
+        raise ValueError(  # torch raises ValueError here too (from dist.get_world_size)
+            f"ShardSampler: {missing} not given and torch.distributed is not initialised; "
+            "call torch.distributed.init_process_group() (or miniddp.init_distributed()) first, "
+            "or pass num_replicas=<world size> and rank=<this process's rank>"
+        )
+    if num_replicas is None:
+        num_replicas = dist.get_world_size()
+    if rank is None:
+        rank = dist.get_rank()
+    return num_replicas, rank
+
+
+def _check_int(name: str, value) -> int:
+    """An integer (numpy's too, via ``__index__``), else a ``ValueError`` naming the field."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"ShardSampler: {name}={value!r} must be an int") from None
+
+
+class ShardSampler(Sampler[int]):
+    """This rank's indices of ``dataset``: ``torch.utils.data.DistributedSampler``, rebuilt."""
+
+    def __init__(self, dataset: Sized, num_replicas: int | None = None, rank: int | None = None,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+        num_replicas, rank = _default_replicas_and_rank(num_replicas, rank)
+        num_replicas, rank = _check_int("num_replicas", num_replicas), _check_int("rank", rank)
+        if num_replicas < 1:
+            raise ValueError(
+                f"ShardSampler: num_replicas={num_replicas} must be >= 1; it is the number of "
+                "processes sharing the data, usually torch.distributed.get_world_size()"
+            )
+        if not 0 <= rank < num_replicas:
+            raise ValueError(
+                f"ShardSampler: rank={rank} must be in [0, {num_replicas - 1}] for num_replicas={num_replicas}; "
+                "pass this process's rank (torch.distributed.get_rank(), or RANK from torchrun)"
+            )
+        self.dataset = dataset  # anything with __len__; only its length is used
+        self.num_replicas = num_replicas  # how many ranks share the data
+        self.rank = rank  # which share this is, 0 .. num_replicas-1
+        self.shuffle = shuffle  # permute (with seed + epoch) or keep dataset order
+        self.seed = seed  # must be the same on every rank, or shards overlap
+        self.drop_last = drop_last  # trim the tail instead of padding it
+        self.epoch = 0  # set_epoch() changes it; part of the shuffle's seed
+        self.num_samples = self._num_samples(len(dataset))  # indices this rank yields
+        self.total_size = self.num_samples * num_replicas  # indices all ranks yield together
+
+    # --8<-- [start:num_samples]
+    def _num_samples(self, n: int) -> int:
+        """Samples per rank: round up (pad) by default, round down (trim) with drop_last."""
+        if self.drop_last:
+            return n // self.num_replicas  # torch writes ceil((n - R) / R): the same number
+        return -(-n // self.num_replicas)  # ceil(n / R) without floats
+    # --8<-- [end:num_samples]
+
+    # --8<-- [start:iter]
+    def __iter__(self) -> Iterator[int]:
+        n = len(self.dataset)
+        if self.shuffle:  # the same permutation on every rank: same seed, same epoch
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            indices = torch.randperm(n, generator=g).tolist()
+        else:
+            indices = list(range(n))
+
+        if self.drop_last:  # trim the tail: every rank still gets num_samples
+            indices = indices[: self.total_size]
+        else:  # pad by wrapping around from the start, as often as needed (n < R)
+            while len(indices) < self.total_size:
+                indices += indices[: self.total_size - len(indices)]
+        assert len(indices) == self.total_size, (len(indices), self.total_size)
+
+        shard = indices[self.rank : self.total_size : self.num_replicas]  # stride by rank
+        assert len(shard) == self.num_samples, (len(shard), self.num_samples)
+        return iter(shard)
+    # --8<-- [end:iter]
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    # --8<-- [start:set_epoch]
+    def set_epoch(self, epoch: int) -> None:
+        """Reseed the shuffle: call at the start of every epoch, on every rank, with the same value."""
+        self.epoch = epoch
+    # --8<-- [end:set_epoch]
+
+    def __repr__(self) -> str:
+        return (f"ShardSampler(len(dataset)={len(self.dataset)}, num_replicas={self.num_replicas}, "
+                f"rank={self.rank}, shuffle={self.shuffle}, seed={self.seed}, drop_last={self.drop_last}, "
+                f"epoch={self.epoch})")

@@ -1,0 +1,111 @@
+"""miniddp's DistributedDataParallel against torch's C++ reducer, in one process group.
+
+Run:  python benchmarks/ddp_vs_torch.py [--world-size 2] [--steps 30] [--hidden 1024]
+
+Both wrappers train identical copies of the same MLP (about 32 MB of fp32
+gradients with the defaults) on the same batches, on 2 gloo ranks of this
+machine. After a warm-up, steps alternate A/B/A/B (so machine noise hits both
+alike); a step is forward + backward + optimizer step, its time is the max over
+ranks (the slowest rank sets the pace), and the result is the median of the
+per-pair ratios miniddp / torch, with and without gradient accumulation
+(``no_sync`` on all micro-batches but the last). Writes
+``benchmarks/results/ddp_vs_torch.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+import warnings
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import miniddp
+from miniddp.testing import run_on_ranks
+
+
+def make_model(hidden: int, layers: int) -> torch.nn.Module:
+    blocks = [torch.nn.Linear(256, hidden), torch.nn.ReLU()]
+    for _ in range(layers - 2):
+        blocks += [torch.nn.Linear(hidden, hidden), torch.nn.ReLU()]
+    return torch.nn.Sequential(*blocks, torch.nn.Linear(hidden, 10))
+
+
+def timed_step(ddp, opt, batches, accumulation) -> float:
+    dist.barrier()  # start together: measure the step, not the previous one's stragglers
+    start = time.perf_counter()
+    for micro, (x, y) in enumerate(batches[:accumulation]):
+        with nullcontext() if micro == accumulation - 1 else ddp.no_sync():
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's time is the step's time
+    return elapsed.item()
+
+
+def bench(rank, world_size, hidden, layers, steps, warmup, batch, accumulation, bucket_cap_mb):
+    torch.manual_seed(0)
+    model = make_model(hidden, layers)
+    ours = miniddp.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = TorchDDP(copy.deepcopy(model), bucket_cap_mb=bucket_cap_mb)
+    runs = {"miniddp": (ours, torch.optim.SGD(ours.parameters(), lr=1e-3)),
+            "torch": (theirs, torch.optim.SGD(theirs.parameters(), lr=1e-3))}
+    g = torch.Generator().manual_seed(rank)
+    batches = [(torch.randn(batch, 256, generator=g), torch.randint(0, 10, (batch,), generator=g))
+               for _ in range(accumulation)]
+    times = {name: [] for name in runs}
+    for i in range(warmup + steps):
+        order = list(runs) if i % 2 == 0 else list(reversed(runs))  # alternate who goes first
+        for name in order:
+            t = timed_step(*runs[name], batches, accumulation)
+            if i >= warmup:
+                times[name].append(t)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"times": times, "grad_mb": grad_bytes / 2**20, "buckets": len(ours.bucket_assignment)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=9)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--bucket-cap-mb", type=float, default=None)
+    args = parser.parse_args()
+    rows = []
+    for accumulation in (1, 4):
+        [result, *_] = run_on_ranks(bench, args.world_size, args.hidden, args.layers, args.steps, args.warmup,
+                                    args.batch, accumulation, args.bucket_cap_mb, timeout=1800)
+        ours, theirs = result["times"]["miniddp"], result["times"]["torch"]
+        ratios = [a / b for a, b in zip(ours, theirs)]
+        rows.append({"gradient_accumulation_steps": accumulation, "grad_mb": round(result["grad_mb"], 1),
+                     "buckets": result["buckets"], "median_step_s": {"miniddp": statistics.median(ours),
+                     "torch": statistics.median(theirs)}, "median_ratio": statistics.median(ratios),
+                     "ratio_quartiles": statistics.quantiles(ratios, n=4), "samples": {"miniddp": ours, "torch": theirs}})
+    print(f"{args.world_size} gloo ranks, torch {torch.__version__}, MLP with {rows[0]['grad_mb']} MB of gradients, "
+          f"bucket_cap_mb={args.bucket_cap_mb} ({rows[0]['buckets']} buckets), {args.steps} interleaved steps\n")
+    print("| accumulation | miniddp step (ms) | torch DDP step (ms) | median ratio miniddp/torch | IQR |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        q = r["ratio_quartiles"]
+        print(f"| {r['gradient_accumulation_steps']} | {1e3 * r['median_step_s']['miniddp']:.1f} | "
+              f"{1e3 * r['median_step_s']['torch']:.1f} | {r['median_ratio']:.3f} | {q[0]:.3f}-{q[2]:.3f} |")
+    out = Path(__file__).parent / "results" / "ddp_vs_torch.json"
+    out.write_text(json.dumps({"args": vars(args), "torch": torch.__version__, "rows": rows}, indent=2) + "\n")
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

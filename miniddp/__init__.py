@@ -12,6 +12,8 @@ from .ddp import DistributedDataParallel
 from .no_sync import accumulation_windows, no_sync, should_sync
 from .sharding import ShardSampler
 from .averaging import average_gradients, ring_all_reduce
+from .config import TrainingConfig
+from .trainer import Trainer
 
 __version__ = "0.1.0"
 
@@ -22,6 +24,8 @@ __all__ = [
     "DistributedDataParallel",
     "ShardSampler",
     "StalledRankError",
+    "Trainer",
+    "TrainingConfig",
     "accumulation_windows",
     "as_timedelta",
     "average_gradients",

@@ -1,0 +1,126 @@
+"""Training configuration with Hugging Face's names, validated before any rank starts.
+
+What
+    ``TrainingConfig`` holds the knobs of a data-parallel training run under the
+    names ``transformers.TrainingArguments`` and TRL use
+    (``per_device_train_batch_size``, ``gradient_accumulation_steps``,
+    ``ddp_bucket_cap_mb``, ``ddp_find_unused_parameters``, ...). Validation runs
+    at construction and names the field and the fix. ``effective_batch_size``
+    is the number every comparison of runs should hold constant.
+
+Why
+    A wrong value should fail in the first second on one line, not after model
+    loading on every rank with N interleaved tracebacks. And the effective batch,
+    per_device_train_batch_size x world_size x gradient_accumulation_steps, is
+    what makes runs comparable: TRL's table of equivalent splits is the claim
+    that runs with the same effective batch train the same model (tested in
+    ``tests/test_trainer.py``).
+
+How Hugging Face differs
+    ``TrainingArguments`` has ~100 fields; these are the ones DDP touches, plus a
+    few a training loop needs. ``ddp_find_unused_parameters`` and
+    ``ddp_broadcast_buffers`` default to ``None`` there (decided from the model);
+    here they default to DDP's own defaults. Transformers' docs warn against
+    combining either with ``gradient_checkpointing``; we refuse the combination.
+    ``mixed_precision`` is Accelerate's name (``no``/``bf16``/``fp16``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+from .backend import valid_backend_names
+from .timeouts import DEFAULT_TIMEOUT_S, as_timedelta
+
+MIXED_PRECISION = ("no", "bf16", "fp16")
+LOSS_NORMALIZATION = ("per_batch", "global_tokens")
+MODELS = ("mlp", "bn", "lm")
+
+
+@dataclass
+class TrainingConfig:
+    output_dir: str = "miniddp-output"  # metrics.json, final_model.pt, checkpoint-<step>/
+    per_device_train_batch_size: int = 8  # samples per rank per micro-batch
+    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step (no_sync on all but the last)
+    learning_rate: float = 1e-3  # AdamW, linearly decayed to 0 over the run
+    max_steps: int = -1  # optimizer steps; -1: use num_train_epochs
+    num_train_epochs: float = 3.0  # used when max_steps is -1
+    max_grad_norm: float = 1.0  # clip after the gradients are averaged; 0 disables
+    weight_decay: float = 0.0  # AdamW's
+    seed: int = 42  # model init, data shuffling (ShardSampler seed)
+    logging_steps: int = 10  # log the loss averaged over ranks every this many optimizer steps
+    save_steps: int = 0  # checkpoint every this many optimizer steps; 0: never
+    save_total_limit: int | None = None  # keep at most this many checkpoints (oldest deleted)
+    resume_from_checkpoint: str | None = None  # a checkpoint-<step> dir, or "latest" in output_dir
+    ddp_backend: str = "auto"  # gloo, nccl, xccl, hccl, cncl, or auto (from the device)
+    ddp_find_unused_parameters: bool = False  # DDP's find_unused_parameters
+    ddp_bucket_cap_mb: float | None = None  # DDP's bucket_cap_mb; None: 1 MiB first, then 25 MiB
+    ddp_broadcast_buffers: bool = True  # DDP's broadcast_buffers
+    ddp_timeout: float = DEFAULT_TIMEOUT_S  # seconds a collective may wait (init_process_group timeout)
+    gradient_checkpointing: bool = False  # recompute activations in backward (built-in models)
+    mixed_precision: str = "no"  # no, bf16 or fp16 (autocast; fp16 adds a GradScaler)
+    loss_normalization: str = "per_batch"  # lm only: per_batch mean, or over the window's global token count
+    model: str = "mlp"  # built-in task: mlp, bn (BatchNorm), lm (tiny causal LM, variable lengths)
+    dataset_size: int = 2048  # samples in the built-in task (train split)
+    eval_size: int = 512  # held-out samples for evaluation; 0 disables
+    dropout: float = 0.0  # built-in models' dropout (breaks split equivalence: different RNG streams)
+    disable_tqdm: bool = False  # no progress bar
+
+    def __post_init__(self):
+        self.validate()
+
+    # --8<-- [start:validate]
+    def validate(self) -> None:
+        def positive_int(name):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps", "dataset_size"):
+            positive_int(name)
+        if not isinstance(self.max_steps, int) or (self.max_steps < 1 and self.max_steps != -1):
+            raise ValueError(f"max_steps={self.max_steps!r} must be >= 1, or -1 to train for num_train_epochs")
+        if self.max_steps == -1 and not (self.num_train_epochs > 0 and math.isfinite(self.num_train_epochs)):
+            raise ValueError(f"num_train_epochs={self.num_train_epochs!r} must be > 0 (or set max_steps)")
+        if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
+            raise ValueError(f"learning_rate={self.learning_rate!r} must be a finite number > 0, e.g. 1e-3")
+        for name in ("max_grad_norm", "weight_decay", "dropout"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0")
+        if self.dropout >= 1:
+            raise ValueError(f"dropout={self.dropout!r} must be < 1")
+        if self.save_steps < 0 or self.eval_size < 0:
+            raise ValueError("save_steps and eval_size must be >= 0 (0 disables them)")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            raise ValueError(f"save_total_limit={self.save_total_limit!r} must be >= 1, or None to keep all")
+        if self.ddp_bucket_cap_mb is not None and not self.ddp_bucket_cap_mb > 0:
+            raise ValueError(f"ddp_bucket_cap_mb={self.ddp_bucket_cap_mb!r} must be > 0 (MiB), e.g. 25")
+        as_timedelta(self.ddp_timeout, name="ddp_timeout")
+        if self.ddp_backend not in valid_backend_names():
+            raise ValueError(f"ddp_backend={self.ddp_backend!r} is not a backend; valid: "
+                             f"{', '.join(valid_backend_names())}")
+        for name, allowed in (("mixed_precision", MIXED_PRECISION), ("loss_normalization", LOSS_NORMALIZATION),
+                              ("model", MODELS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be one of {', '.join(allowed)}")
+        if self.gradient_checkpointing and self.ddp_find_unused_parameters:
+            raise ValueError("ddp_find_unused_parameters=True cannot be combined with gradient_checkpointing: "
+                             "checkpointing recomputes the graph in backward, so the graph walked after the forward "
+                             "is wrong. Set ddp_find_unused_parameters=False.")
+        if self.gradient_checkpointing and self.ddp_broadcast_buffers and self.model == "bn":
+            raise ValueError("ddp_broadcast_buffers=True cannot be combined with gradient_checkpointing on a model "
+                             "with buffers: the recomputed forward sees buffers the broadcast changed. "
+                             "Set ddp_broadcast_buffers=False.")
+    # --8<-- [end:validate]
+
+    def effective_batch_size(self, world_size: int) -> int:
+        """Samples per optimizer step over all ranks: what equivalent runs share."""
+        return self.per_device_train_batch_size * world_size * self.gradient_accumulation_steps
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

@@ -1,0 +1,151 @@
+"""The trainer: same effective batch => same model (TRL's table), its limits, exact resume."""
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from miniddp import Trainer, TrainingConfig
+from miniddp.checkpoint import CorruptCheckpointError, checkpoints
+from miniddp.tasks import make_task
+from miniddp.testing import RankError, run_on_ranks
+
+
+def _train(rank, world_size, overrides, double=True):
+    """Train the built-in task on this rank; rank 0 returns the final parameters and metrics."""
+    cfg = TrainingConfig(**{"max_steps": 6, "dataset_size": 256, "eval_size": 0, "disable_tqdm": True,
+                            "logging_steps": 2, "learning_rate": 0.01, **overrides})
+    model, train, evaluation, kind = make_task(cfg.model, cfg.dataset_size, cfg.eval_size, cfg.seed, cfg.dropout,
+                                               cfg.gradient_checkpointing)
+    if double and kind == "classification":  # float64: equalities below hold to 1e-10, not by luck
+        model = model.double()
+        train = TensorDataset(train.tensors[0].double(), train.tensors[1])
+    metrics = Trainer(model, train, cfg, eval_dataset=evaluation or None, kind=kind).train()
+    if rank == 0:
+        return {k: v.clone() for k, v in model.state_dict().items()}, metrics
+    return None
+
+
+def _run(processes, per_device, accumulation, tmp_path, double=True, **overrides):
+    out = str(tmp_path / f"run-{processes}-{per_device}-{accumulation}-{len(overrides)}")
+    cfg = {"per_device_train_batch_size": per_device, "gradient_accumulation_steps": accumulation,
+           "output_dir": out, **overrides}
+    return run_on_ranks(_train, processes, cfg, double, init=False, timeout=120)[0]
+
+
+def _max_diff(a, b):
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+# --8<-- [start:trl_table]
+SPLITS = [(1, 32, 1), (1, 4, 8), (2, 16, 1), (2, 4, 4), (4, 8, 1), (4, 4, 2)]  # (processes, per-device, accum)
+
+
+def test_same_effective_batch_trains_the_same_model(tmp_path):
+    reference, metrics = _run(*SPLITS[0], tmp_path)
+    assert metrics["effective_batch_size"] == 32 and metrics["global_step"] == 6
+    for processes, per_device, accumulation in SPLITS[1:]:
+        params, m = _run(processes, per_device, accumulation, tmp_path)
+        assert m["world_size"] == processes and m["effective_batch_size"] == 32
+        assert _max_diff(params, reference) < 1e-10, (processes, per_device, accumulation)
+# --8<-- [end:trl_table]
+
+
+def test_a_different_effective_batch_trains_a_different_model(tmp_path):
+    reference, _ = _run(1, 32, 1, tmp_path)
+    params, _ = _run(2, 8, 1, tmp_path)  # effective 16: the test can tell
+    assert _max_diff(params, reference) > 1e-4
+
+
+@pytest.mark.parametrize("what, overrides", [
+    ("batchnorm", {"model": "bn"}),  # batch statistics depend on the per-device batch
+    ("dropout", {"dropout": 0.2}),  # each rank draws its own dropout masks
+    ("unequal_micro_batches", {"dataset_size": 250, "max_steps": 8}),  # a short last micro-batch
+])
+def test_when_equivalence_breaks(what, overrides, tmp_path):
+    split = (1, 4, 8) if what == "unequal_micro_batches" else (2, 16, 1)
+    reference, _ = _run(1, 32, 1, tmp_path, **overrides)
+    params, _ = _run(*split, tmp_path, **overrides)
+    assert _max_diff(params, reference) > 1e-6, f"{what} was expected to break equivalence"
+
+
+LM_SPLITS = [(1, 16, 1), (1, 4, 4), (2, 8, 1), (2, 2, 4)]
+
+
+@pytest.mark.parametrize("normalization, equal", [("global_tokens", True), ("per_batch", False)])
+def test_only_global_token_normalisation_keeps_splits_equal_on_variable_lengths(normalization, equal, tmp_path):
+    runs = [_run(*s, tmp_path, model="lm", loss_normalization=normalization, max_steps=4, dataset_size=128)[0]
+            for s in LM_SPLITS]
+    worst = max(_max_diff(r, runs[0]) for r in runs[1:])
+    if equal:
+        assert worst < 1e-5  # float32 model: sums in different orders
+    else:
+        assert worst > 1e-4  # per-micro-batch means weight short sequences' tokens more
+
+
+# --8<-- [start:resume]
+def test_resume_is_bitwise_exact(tmp_path):
+    straight, _ = _run(2, 8, 2, tmp_path, max_steps=8, save_steps=4, double=False, output_dir=str(tmp_path / "a"))
+    half = tmp_path / "a" / "checkpoint-4"
+    assert half.is_dir()
+    resumed, metrics = _run(2, 8, 2, tmp_path, max_steps=8, resume_from_checkpoint=str(half), double=False,
+                            output_dir=str(tmp_path / "b"))
+    assert metrics["global_step"] == 8
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name
+# --8<-- [end:resume]
+
+
+def test_checkpoints_rotate_and_the_final_model_loads_with_weights_only(tmp_path):
+    out = tmp_path / "rot"
+    _run(2, 8, 1, tmp_path, max_steps=8, save_steps=2, save_total_limit=2, output_dir=str(out))
+    assert [p.name for p in checkpoints(out)] == ["checkpoint-6", "checkpoint-8"]
+    state = torch.load(out / "final_model.pt", weights_only=True)
+    assert "head.weight" in state
+    assert not list(out.glob(".checkpoint-*"))  # no temporary directories left behind
+
+
+@pytest.mark.parametrize("damage", ["truncate", "no_manifest"])
+def test_a_corrupt_checkpoint_is_refused(damage, tmp_path):
+    out = tmp_path / "src"
+    _run(1, 8, 1, tmp_path, max_steps=4, save_steps=2, output_dir=str(out))
+    ckpt = out / "checkpoint-2"
+    if damage == "truncate":
+        data = (ckpt / "optimizer.pt").read_bytes()
+        (ckpt / "optimizer.pt").write_bytes(data[: len(data) // 2])
+    else:
+        (ckpt / "manifest.json").unlink()
+    with pytest.raises(RankError) as info:
+        _run(1, 8, 1, tmp_path, max_steps=4, resume_from_checkpoint=str(ckpt), output_dir=str(tmp_path / "x"))
+    assert isinstance(info.value.__cause__, CorruptCheckpointError)
+    assert ("optimizer.pt" in str(info.value)) if damage == "truncate" else ("incomplete" in str(info.value))
+
+
+def _crash_mid_save(rank, world_size, out):
+    import miniddp.checkpoint as ck
+
+    cfg = {"max_steps": 4, "save_steps": 2, "output_dir": out, "per_device_train_batch_size": 8}
+    real_save = torch.save
+
+    def flaky(obj, path, *a, **k):
+        if "checkpoint-4" in str(path) and str(path).endswith("optimizer.pt"):
+            raise OSError("disk full (simulated)")
+        return real_save(obj, path, *a, **k)
+
+    ck.torch.save = flaky  # the checkpoint module's torch.save, in this rank's process only
+    try:
+        _train(rank, world_size, cfg)
+    except OSError:
+        return "crashed"
+
+
+def test_a_crash_mid_save_leaves_the_previous_checkpoint_intact(tmp_path):
+    out = tmp_path / "crash"
+    assert run_on_ranks(_crash_mid_save, 1, str(out), init=False, timeout=60) == ["crashed"]
+    assert [p.name for p in checkpoints(out)] == ["checkpoint-2"]
+    assert not (out / "checkpoint-4").exists()
+    params, metrics = _run(1, 8, 1, tmp_path, max_steps=4, resume_from_checkpoint="latest", output_dir=str(out))
+    assert metrics["global_step"] == 4

@@ -149,3 +149,26 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_intact(tmp_path):
     assert not (out / "checkpoint-4").exists()
     params, metrics = _run(1, 8, 1, tmp_path, max_steps=4, resume_from_checkpoint="latest", output_dir=str(out))
     assert metrics["global_step"] == 4
+
+
+def test_default_settings_reach_the_stated_accuracy(tmp_path):
+    # the README's command: 2 processes, every other setting at its default
+    _, metrics = run_on_ranks(_train, 2, {"output_dir": str(tmp_path), "max_steps": -1, "dataset_size": 2048,
+                                          "eval_size": 512, "learning_rate": 1e-3, "logging_steps": 10},
+                              False, init=False, timeout=180)[0]
+    assert metrics["global_step"] == 384 and metrics["eval_accuracy"] >= 0.90, metrics
+
+
+def test_gradient_checkpointing_changes_memory_not_results(tmp_path):
+    plain, _ = _run(2, 16, 1, tmp_path)
+    checkpointed, _ = _run(2, 16, 1, tmp_path, gradient_checkpointing=True)
+    assert _max_diff(plain, checkpointed) < 1e-10
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_trains(precision, tmp_path):
+    params, metrics = _run(2, 16, 1, tmp_path, double=False, mixed_precision=precision, max_steps=40,
+                           eval_size=256, learning_rate=3e-3)
+    assert metrics["eval_accuracy"] > 0.6  # 4 classes: chance is 0.25
+    full, _ = _run(2, 16, 1, tmp_path, double=False, max_steps=40, eval_size=256, learning_rate=3e-3)
+    assert 0 < _max_diff(params, full) < 0.1  # lower precision: close to, not equal to, fp32

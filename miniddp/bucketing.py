@@ -21,9 +21,13 @@ How torch differs
     ``torch.distributed._compute_bucket_assignment_by_size``, the oracle in our
     tests): one open bucket per (dtype, device); a bucket closes once it reaches
     its limit; limits apply in sequence per key, the last repeating; buckets are
-    sorted by the smallest index they hold. ``DistributedDataParallel`` fills
-    buckets in registration order with a 1 MiB first limit, then reverses them
-    (``torch/nn/parallel/distributed.py``): the last layers' gradients arrive first.
+    sorted by the smallest index they hold. With ``find_unused_parameters=True``
+    torch's ``DistributedDataParallel`` fills buckets in registration order with a
+    1 MiB first limit, then reverses them (``torch/nn/parallel/distributed.py``):
+    the last layers' gradients arrive first. Otherwise torch 2.x starts with *one*
+    bucket holding everything and relies on the rebuild after the first
+    iteration; we always start from the reversed registration-order buckets, so
+    even the first iteration overlaps.
     Each of our buffers carries one extra slot per parameter that counts the ranks
     that produced a gradient for it; torch sends a separate bitmap for that, and
     only when ``find_unused_parameters=True``.
@@ -106,24 +110,22 @@ class Bucket:
     def reset(self) -> None:
         self.pending, self.work = len(self.params), None
 
-    def put(self, k: int, grad: torch.Tensor | None, world_size: int, as_view: bool) -> None:
-        """Write parameter k's gradient, pre-divided by the world size, and mark it used."""
-        view = self.views[k]
-        if grad is None:  # unused here: contribute zeros
-            p = self.params[k]
-            if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
-                p.grad = p.grad.clone()  # keep an old bucket-view .grad intact
+    def put(self, k: int, grad, world_size: int, as_view: bool, used: bool = True) -> None:
+        """Write parameter k's gradient, pre-divided by the world size; ``used`` goes in its counter."""
+        view, p = self.views[k], self.params[k]
+        if p.grad is not None and p.grad.data_ptr() == view.data_ptr() and (grad is None or not used):
+            p.grad = p.grad.clone()  # an old bucket-view .grad that may have to stay untouched
+            grad = None if grad is None else p.grad
+        if grad is None:  # nothing here: contribute zeros
             view.zero_()
-            self.used[k] = 0
-        elif as_view:  # .grad lives in the bucket: divide in place
+        elif as_view and used:  # .grad lives in the bucket: divide in place
             if grad.data_ptr() != view.data_ptr():
                 view.copy_(grad)  # first backward, or .grad was reset to None
-                self.params[k].grad = view
+                p.grad = view
             view.div_(world_size)
-            self.used[k] = 1
         else:  # copy and divide in one pass
             torch.div(grad, world_size, out=view)
-            self.used[k] = 1
+        self.used[k] = 1 if used else 0
         self.pending -= 1
 # --8<-- [end:bucket]
 

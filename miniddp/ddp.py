@@ -69,8 +69,8 @@ class DistributedDataParallel(torch.nn.Module):
         outputs = self.module(*args, **kwargs)
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.reducer.prepare_for_backward(outputs)  # arm the hooks for this graph
-        else:
-            self.reducer.expect_hooks = False  # no_sync, or eval: backward stays local
+        # a no_sync or no-grad forward leaves the reducer as it was: an earlier synced
+        # forward whose backward has not run yet still syncs (as in torch)
         return outputs
     # --8<-- [end:forward]
 

@@ -61,6 +61,7 @@ class Reducer:
         self.rebuild_due = False  # rebuild at the next forward
         self.warned_no_unused = False  # the "flag set but nothing unused" warning, once
         self.local_unused: list[int] = []  # this backward's parameters without a local gradient
+        self.used_since_sync = [False] * len(self.params)  # got a gradient since the last sync (no_sync too)
         self.hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
         self._check_counter_precision()
 
@@ -106,21 +107,31 @@ class Reducer:
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)  # runs after backward
         if self.tracer is not None:
             self.tracer.event("backward start")
-        for i in self.local_unused:  # found by the graph walk: ready now, with zeros
-            self._mark_ready(i, None)
+        for i in self.local_unused:  # found by the graph walk: ready now
+            self._mark_unused_ready(i)
 
     def _make_hook(self, i: int):
         def hook(param):  # post-accumulate-grad hooks receive the parameter itself
+            if param.grad is not None:
+                self.used_since_sync[i] = True  # counted even inside no_sync, as torch does
             if not self.expect_hooks:  # inside no_sync, or a forward that bypassed DDP
                 return
             self._start_backward()
             if not self.rebuilt:
                 self.ready_order.append(i)
-            self._mark_ready(i, param.grad)
+            self._mark_ready(i, param.grad, used=True)
         return hook
 
+    def _mark_unused_ready(self, i: int) -> None:
+        """No gradient in this backward. With find_unused_parameters, a gradient accumulated
+        under no_sync still counts (torch copies any defined .grad); otherwise zeros, flagged."""
+        if self.find_unused:
+            self._mark_ready(i, self.params[i].grad, used=self.used_since_sync[i])
+        else:
+            self._mark_ready(i, None, used=False)
+
     # --8<-- [start:mark_ready]
-    def _mark_ready(self, i: int, grad) -> None:
+    def _mark_ready(self, i: int, grad, used: bool) -> None:
         if self.ready[i]:
             raise RuntimeError(
                 f"parameter {self.names[i]} got its gradient twice in one backward (reentrant gradient "
@@ -128,7 +139,7 @@ class Reducer:
                 "torch.utils.checkpoint(..., use_reentrant=False)")
         self.ready[i] = True
         bucket, k = self.where[i]
-        bucket.put(k, grad, self.world_size, self.as_view)
+        bucket.put(k, grad, self.world_size, self.as_view, used)
         if self.tracer is not None:
             self.tracer.event("grad ready", param=self.names[i])
         while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
@@ -146,13 +157,14 @@ class Reducer:
         for i, done in enumerate(self.ready):  # no gradient on this rank: zeros, so nobody hangs
             if not done:
                 self.local_unused.append(i)
-                self._mark_ready(i, None)
-        missing, counts = [], []
+                self._mark_unused_ready(i)
+        missing, counts, anything_unused = [], [], False
         for b in self.buckets:
             b.work.wait()
             used = b.used.tolist()
             for k, p in enumerate(b.params):
                 c = round(used[k])  # ranks that produced this gradient
+                anything_unused |= c < self.world_size
                 if c < self.world_size and not self.find_unused:
                     missing.append(b.names[k])
                     counts.append(c)
@@ -164,15 +176,16 @@ class Reducer:
                     p.grad = b.views[k].clone()
                 else:
                     p.grad.copy_(b.views[k])
+        self.used_since_sync = [False] * len(self.params)
         if self.tracer is not None:
             self.tracer.event("backward end")
         if missing:
             local = [self.names[i] for i in self.local_unused]
             raise UnusedParameterError(missing_gradients_message(missing, counts, self.world_size, local), missing)
-        if self.find_unused and not self.local_unused and not self.warned_no_unused:
-            self.warned_no_unused = True
-            warnings.warn("find_unused_parameters=True but no parameter was unused in this backward: the "
-                          "graph walk after every forward costs time for nothing; consider False.", stacklevel=2)
+        if self.find_unused and not anything_unused and not self.warned_no_unused:
+            self.warned_no_unused = True  # judged from the counts: nothing unused on ANY rank
+            warnings.warn("find_unused_parameters=True but no parameter was unused in this backward on any rank: "
+                          "the graph walk after every forward costs time for nothing; consider False.", stacklevel=2)
         if not self.rebuilt:
             self.rebuild_due = True
     # --8<-- [end:finalize]

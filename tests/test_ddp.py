@@ -54,7 +54,7 @@ def _parity(rank, world_size, backend, model_name, options, steps, accumulation,
             torch.manual_seed(10_000 * step + 100 * micro + rank)  # each rank its own shard
             x, y = torch.randn(6, 8, device=device), torch.randn(6, 4, device=device)
             if model_name == "branchy":
-                mine.use_branch = theirs.use_branch = branch_on(step, rank)
+                mine.use_branch = theirs.use_branch = branch_on(step, rank, micro)
             last = micro == accumulation - 1
             for model, opt in ((ours, opt_ours), (ref, opt_ref)):
                 with nullcontext() if last else model.no_sync():
@@ -73,16 +73,20 @@ def _parity(rank, world_size, backend, model_name, options, steps, accumulation,
 # --8<-- [end:parity]
 
 
-def _always(step, rank):
+def _always(step, rank, micro):
     return True
 
 
-def _some_ranks(step, rank):  # rank 0 skips the branch on even steps: unused on *some* ranks
+def _some_ranks(step, rank, micro):  # rank 0 skips the branch on even steps: unused on *some* ranks
     return not (rank == 0 and step % 2 == 0)
 
 
-def _no_rank_on_odd_steps(step, rank):  # nobody uses it on odd steps: unused on *every* rank
+def _no_rank_on_odd_steps(step, rank, micro):  # nobody uses it on odd steps: unused on *every* rank
     return step % 2 == 0
+
+
+def _only_before_the_sync(step, rank, micro):  # used under no_sync, unused in the synced micro-step
+    return micro == 0 or (rank == 1 and step % 2 == 0)
 
 
 CASES = {
@@ -102,6 +106,10 @@ CASES = {
                              _no_rank_on_odd_steps),
     "unused_bucket_view": ("branchy", {"find_unused_parameters": True, "gradient_as_bucket_view": True}, 2,
                            _some_ranks),
+    # a gradient accumulated under no_sync counts even if the synced micro-step does not use the parameter
+    "unused_only_in_synced_micro_step": ("branchy", {"find_unused_parameters": True}, 3, _only_before_the_sync),
+    "unused_only_in_synced_micro_step_view": ("branchy", {"find_unused_parameters": True,
+                                                          "gradient_as_bucket_view": True}, 3, _only_before_the_sync),
 }
 
 

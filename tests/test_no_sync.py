@@ -85,6 +85,38 @@ def test_what_counts_is_where_the_forward_ran_as_in_torch(which, synced):
         assert out == {"ours": synced, "torch": synced}
 
 
+def _forward_in_between(rank, world_size, mode):
+    torch.manual_seed(0)
+    model, twin = MODELS["mlp"](), MODELS["mlp"]()
+    twin.load_state_dict(model.state_dict())
+    ours = miniddp.DistributedDataParallel(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        theirs = TorchDDP(twin)
+    x, y = _batch(rank, 0)
+    synced = {}
+    for name, ddp, m in (("ours", ours, model), ("torch", theirs, twin)):
+        out = ddp(x)  # a synced forward...
+        if mode == "no_grad":
+            with torch.no_grad():
+                ddp(x + 1)  # ...then a forward for targets or metrics...
+        else:
+            with ddp.no_sync():
+                ddp(x + 1)
+        F.mse_loss(out, y).backward()  # ...must not disarm the first one's sync
+        g = _grads(m)
+        total = g.clone()
+        dist.all_reduce(total)
+        synced[name] = torch.allclose(g * world_size, total, atol=1e-6)
+    return synced
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "no_sync"])
+def test_a_forward_in_between_does_not_disarm_the_pending_sync(mode):
+    for synced in run_on_ranks(_forward_in_between, 2, mode, timeout=60):
+        assert synced == {"ours": True, "torch": True}
+
+
 def test_should_sync_syncs_the_last_micro_batch_of_each_window():
     assert [s for s in range(10) if miniddp.should_sync(s, 4, num_batches=10)] == [3, 7, 9]
     assert [s for s in range(6) if miniddp.should_sync(s, 1)] == list(range(6))

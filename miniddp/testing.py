@@ -19,13 +19,14 @@ How
       port; nothing is fixed, nothing races) and the ranks join it as clients,
       exactly as torchrun's agent hands its store to its workers.
     * Start method, measured on this 2-core machine (``benchmarks/launch_cost.py``):
-      a 2-rank launch costs ~4 s with ``spawn`` (each child re-imports torch),
-      ~1.4 s with ``fork``. ``forkserver`` (the default) forks each rank from a
-      clean server that has already imported torch and miniddp: fork's speed after
-      the first launch, without inheriting the parent's threads and locks
-      (pytest-xdist's, OpenMP's). Functions defined in a notebook cannot be
-      pickled by name, so notebooks use ``start_method="fork"``, as
-      Accelerate's ``notebook_launcher`` does.
+      a 2-rank launch costs ~1.6 s with ``spawn`` (each child re-imports torch)
+      and ~0.05 s with ``fork``. ``forkserver`` (the default) forks each rank from
+      a clean server that has already imported torch and miniddp: fork's speed
+      (~0.06 s) after a first launch of ~2.3 s, without inheriting the parent's
+      threads and locks (pytest-xdist's, OpenMP's). Functions defined in a
+      notebook cannot be pickled by name, so notebooks use ``start_method="fork"``,
+      as Accelerate's ``notebook_launcher`` does. The store is opened only after
+      the last fork, so no child inherits a lock held by the store's thread.
     * Each rank sets ``torch.set_num_threads(1)``: N ranks on 2 cores must not
       each start a full thread pool.
 
@@ -95,10 +96,11 @@ def backend_params(world_size: int):
 
 
 # --8<-- [start:worker]
-def _worker(rank, world_size, fn, args, kwargs, conn, host, port, backend, init, pg_timeout):
+def _worker(rank, world_size, fn, args, kwargs, conn, host, backend, init, pg_timeout):
     """Body of each rank's process: join, run ``fn``, send back a result or a traceback."""
     _die_with_parent()
     torch.set_num_threads(1)  # N ranks share a few cores; no oversubscription
+    port = conn.recv()  # the store's port, sent once every rank has been started (see run_on_ranks)
     os.environ.update(  # torchrun's variables, so code under test can read them
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR=host,
@@ -161,20 +163,25 @@ def run_on_ranks(fn, world_size: int, *args, backend: str = "gloo", timeout: flo
         raise ValueError(f"world_size={world_size} must be >= 1")
     ctx = _context(start_method)
     pg_timeout = datetime.timedelta(seconds=pg_timeout or timeout)
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, timeout=pg_timeout,
-                          wait_for_workers=False)  # port 0: the OS picks a free one
+    store = None
     procs, conns = [], {}
     results, errors = [None] * world_size, []
     finished = False  # every rank reported success
     try:
         for rank in range(world_size):
-            parent_end, child_end = ctx.Pipe(duplex=False)
+            parent_end, child_end = ctx.Pipe()
             p = ctx.Process(target=_worker, name=f"rank{rank}", args=(
-                rank, world_size, fn, args, kwargs, child_end, "127.0.0.1", store.port, backend, init, pg_timeout))
+                rank, world_size, fn, args, kwargs, child_end, "127.0.0.1", backend, init, pg_timeout))
             p.start()
             child_end.close()
             procs.append(p)
             conns[parent_end] = rank
+        # The store's server thread starts only now, after the last fork: a fork taken while that
+        # thread held a libc lock (getnameinfo's resolver lock) would deadlock the child.
+        store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, timeout=pg_timeout,
+                              wait_for_workers=False)  # port 0: the OS picks a free one
+        for conn in conns:
+            conn.send(store.port)
         deadline = time.monotonic() + timeout
         pending = dict(conns)  # pipes we still expect a message on
         while pending:

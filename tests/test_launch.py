@@ -1,6 +1,7 @@
 """Launching: accelerate-style YAML -> torchrun, SLURM node ranks, two nodes on loopback."""
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -79,9 +80,18 @@ def test_dry_run_prints_the_torchrun_command(capsys):
 
 
 def _free_port() -> int:
-    with socket.socket() as s:  # the OS picks a free port; we release it for torchrun's store
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below Linux's ephemeral range (32768+), where the OS places every port-0
+    store and gloo connection of the tests running in parallel: none of them can take it
+    between our check and torchrun's bind."""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 TRAIN = ["--max_steps", "6", "--dataset_size", "256", "--eval_size", "64", "--disable_tqdm", "true",
@@ -97,13 +107,24 @@ def test_two_nodes_on_loopback_equal_one_node_with_four_processes(tmp_path):
     cfg = {"distributed_type": "MULTI_CPU", "num_machines": 2, "num_processes": 4, "machine_rank": 0,
            "main_process_ip": "127.0.0.1", "main_process_port": _free_port(), "use_cpu": True}
     (tmp_path / "two.yaml").write_text(yaml.safe_dump(cfg))
+    # output goes to files, not pipes: a pipe nobody reads fills up and blocks its node mid-training
+    logs = [open(tmp_path / f"node{r}.log", "w+") for r in range(2)]
     nodes = [subprocess.Popen([sys.executable, "-m", "miniddp.launch", "launch", "--config_file",
                                str(tmp_path / "two.yaml"), "--machine_rank", str(r), "--",
                                "--output_dir", str(tmp_path / "two"), *TRAIN],
-                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              env=_env(), stdout=logs[r], stderr=subprocess.STDOUT)
              for r in range(2)]
-    outputs = [n.communicate(timeout=240)[0] for n in nodes]
-    assert all(n.returncode == 0 for n in nodes), outputs[0][-3000:] + outputs[1][-3000:]
+    try:
+        for n in nodes:
+            n.wait(timeout=240)
+    except subprocess.TimeoutExpired:
+        pass  # reported below, with both nodes' output
+    finally:
+        for n in nodes:
+            n.kill()
+            n.wait()
+    outputs = [(tmp_path / f"node{r}.log").read_text() for r in range(2)]
+    assert all(n.returncode == 0 for n in nodes), f"node 0:\n{outputs[0][-3000:]}\nnode 1:\n{outputs[1][-3000:]}"
     single = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
                              "-m", "miniddp.train", "--output_dir", str(tmp_path / "one"), *TRAIN],
                             env=_env(), capture_output=True, text=True, timeout=240)

@@ -53,7 +53,8 @@ def test_inside_no_sync_gradients_stay_local_then_sync_averages_the_sums():
     assert not torch.allclose(local0, synced0)  # the sync really changed something
 
 
-def _forward_placement(rank, world_size, which):
+def _ours_and_torchs(rank):
+    """The same model wrapped by miniddp and by torch (pairs of (ddp, module)), and one batch."""
     torch.manual_seed(0)
     model, twin = MODELS["mlp"](), MODELS["mlp"]()
     twin.load_state_dict(model.state_dict())
@@ -61,9 +62,21 @@ def _forward_placement(rank, world_size, which):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         theirs = TorchDDP(twin)
-    x, y = _batch(rank, 0)
+    return {"ours": (ours, model), "torch": (theirs, twin)}, _batch(rank, 0)
+
+
+def _was_synced(model, world_size) -> bool:
+    """Gradients were averaged iff every rank holds the same ones."""
+    g = _grads(model)
+    total = g.clone()
+    dist.all_reduce(total)
+    return torch.allclose(g * world_size, total, atol=1e-6)
+
+
+def _forward_placement(rank, world_size, which):
+    pairs, (x, y) = _ours_and_torchs(rank)
     out = {}
-    for name, ddp, m in (("ours", ours, model), ("torch", theirs, twin)):
+    for name, (ddp, m) in pairs.items():
         if which == "forward_inside":
             with ddp.no_sync():
                 loss = F.mse_loss(ddp(x), y)
@@ -72,10 +85,7 @@ def _forward_placement(rank, world_size, which):
             loss = F.mse_loss(ddp(x), y)
             with ddp.no_sync():
                 loss.backward()  # inside, but the forward was outside: syncs
-        g = _grads(m)
-        other = g.clone()
-        dist.all_reduce(other)
-        out[name] = torch.allclose(g * world_size, other, atol=1e-6)  # synced iff all ranks agree
+        out[name] = _was_synced(m, world_size)
     return out
 
 
@@ -86,16 +96,9 @@ def test_what_counts_is_where_the_forward_ran_as_in_torch(which, synced):
 
 
 def _forward_in_between(rank, world_size, mode):
-    torch.manual_seed(0)
-    model, twin = MODELS["mlp"](), MODELS["mlp"]()
-    twin.load_state_dict(model.state_dict())
-    ours = miniddp.DistributedDataParallel(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        theirs = TorchDDP(twin)
-    x, y = _batch(rank, 0)
+    pairs, (x, y) = _ours_and_torchs(rank)
     synced = {}
-    for name, ddp, m in (("ours", ours, model), ("torch", theirs, twin)):
+    for name, (ddp, m) in pairs.items():
         out = ddp(x)  # a synced forward...
         if mode == "no_grad":
             with torch.no_grad():
@@ -104,10 +107,7 @@ def _forward_in_between(rank, world_size, mode):
             with ddp.no_sync():
                 ddp(x + 1)
         F.mse_loss(out, y).backward()  # ...must not disarm the first one's sync
-        g = _grads(m)
-        total = g.clone()
-        dist.all_reduce(total)
-        synced[name] = torch.allclose(g * world_size, total, atol=1e-6)
+        synced[name] = _was_synced(m, world_size)
     return synced
 
 

@@ -95,6 +95,7 @@ class Bucket:
         self.buffer = torch.zeros(numel + len(params), dtype=params[0].dtype, device=params[0].device)
         self.grads = self.buffer[:numel]  # the gradient region
         self.used = self.buffer[numel:]  # one counter per parameter
+        self.used.fill_(1)
         self.views: list[torch.Tensor] = []  # views[k]: params[k]'s slice, shaped like it
         offset = 0
         for p in params:
@@ -108,14 +109,18 @@ class Bucket:
         return self.grads.numel() * self.grads.element_size()
 
     def reset(self) -> None:
+        """Before a synced backward: every gradient missing, every parameter presumed used."""
         self.pending, self.work = len(self.params), None
+        self.used.fill_(1)  # one op per bucket; put() zeroes the few unused ones
 
     def put(self, k: int, grad, world_size: int, as_view: bool, used: bool = True) -> None:
         """Write parameter k's gradient, pre-divided by the world size; ``used`` goes in its counter."""
         view, p = self.views[k], self.params[k]
-        if p.grad is not None and p.grad.data_ptr() == view.data_ptr() and (grad is None or not used):
-            p.grad = p.grad.clone()  # an old bucket-view .grad that may have to stay untouched
-            grad = None if grad is None else p.grad
+        if not used:
+            self.used[k] = 0
+            if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
+                p.grad = p.grad.clone()  # an old bucket-view .grad that may have to stay untouched
+                grad = None if grad is None else p.grad
         if grad is None:  # nothing here: contribute zeros
             view.zero_()
         elif as_view and used:  # .grad lives in the bucket: divide in place
@@ -125,7 +130,6 @@ class Bucket:
             view.div_(world_size)
         else:  # copy and divide in one pass
             torch.div(grad, world_size, out=view)
-        self.used[k] = 1 if used else 0
         self.pending -= 1
 # --8<-- [end:bucket]
 

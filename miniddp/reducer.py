@@ -112,14 +112,15 @@ class Reducer:
 
     def _make_hook(self, i: int):
         def hook(param):  # post-accumulate-grad hooks receive the parameter itself
-            if param.grad is not None:
+            grad = param.grad
+            if grad is not None:
                 self.used_since_sync[i] = True  # counted even inside no_sync, as torch does
             if not self.expect_hooks:  # inside no_sync, or a forward that bypassed DDP
                 return
             self._start_backward()
             if not self.rebuilt:
                 self.ready_order.append(i)
-            self._mark_ready(i, param.grad, used=True)
+            self._mark_ready(i, grad, used=True)
         return hook
 
     def _mark_unused_ready(self, i: int) -> None:

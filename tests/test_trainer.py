@@ -1,8 +1,5 @@
 """The trainer: same effective batch => same model (TRL's table), its limits, exact resume."""
 
-import os
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -172,3 +169,12 @@ def test_mixed_precision_trains(precision, tmp_path):
     assert metrics["eval_accuracy"] > 0.6  # 4 classes: chance is 0.25
     full, _ = _run(2, 16, 1, tmp_path, double=False, max_steps=40, eval_size=256, learning_rate=3e-3)
     assert 0 < _max_diff(params, full) < 0.1  # lower precision: close to, not equal to, fp32
+
+
+def test_a_short_last_window_is_still_an_average(tmp_path):
+    # 80 samples in micro-batches of 8 with accumulation 4: windows of 4, 4 and 2 micro-batches.
+    # Dividing the last window by its real length (2), not by 4, makes it the mean of its 16 samples,
+    # exactly what one process with batches of 32, 32 and 16 computes.
+    reference, _ = _run(1, 32, 1, tmp_path, dataset_size=80, max_steps=3)
+    params, _ = _run(1, 8, 4, tmp_path, dataset_size=80, max_steps=3)
+    assert _max_diff(params, reference) < 1e-10

@@ -97,7 +97,7 @@ def main(argv=None):
     args.sizes = sorted(set(args.sizes))
 
     started = time.perf_counter()
-    rows = run_on_ranks(_bench, args.world_size, args.sizes, args.reps, args.params,
+    rows = run_on_ranks(_bench, args.world_size, args=(args.sizes, args.reps, args.params),
                         backend="gloo", timeout=600)[0]
     n = args.world_size
     results = []

@@ -86,8 +86,9 @@ def main():
     args = parser.parse_args()
     rows = []
     for accumulation in (1, 4):
-        [result, *_] = run_on_ranks(bench, args.world_size, args.hidden, args.layers, args.steps, args.warmup,
-                                    args.batch, accumulation, args.bucket_cap_mb, timeout=1800)
+        [result, *_] = run_on_ranks(bench, args.world_size, args=(args.hidden, args.layers, args.steps, args.warmup,
+                                                                  args.batch, accumulation, args.bucket_cap_mb),
+                                    timeout=1800)
         ours, theirs = result["times"]["miniddp"], result["times"]["torch"]
         ratios = [a / b for a, b in zip(ours, theirs)]
         rows.append({"gradient_accumulation_steps": accumulation, "grad_mb": round(result["grad_mb"], 1),

@@ -45,7 +45,7 @@ def main():
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=9)
     args = parser.parse_args()
-    events = run_on_ranks(traced_steps, 2, args.bucket_cap_mb, args.hidden, args.layers, timeout=300)
+    events = run_on_ranks(traced_steps, 2, args=(args.bucket_cap_mb, args.hidden, args.layers), timeout=300)
     (HERE / "results").mkdir(exist_ok=True)
     save_chrome_trace(events, HERE / "results" / "ddp-trace.json")
     png = HERE.parent / "docs" / "img" / "ddp-timeline.png"

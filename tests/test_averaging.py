@@ -69,7 +69,7 @@ def _average(rank, world_size, backend, predivide):
 def test_average_gradients_is_the_mean_over_ranks(backend, world_size, predivide):
     if backend == "nccl" and world_size > torch.cuda.device_count():
         pytest.skip("needs a GPU per rank")
-    results = run_on_ranks(_average, world_size, backend, predivide, backend=backend, timeout=TIMEOUT)
+    results = run_on_ranks(_average, world_size, args=(backend, predivide), backend=backend, timeout=TIMEOUT)
     model = make_model()
     per_rank = [rank_grads(r, model) for r in range(world_size)]
     expected = [torch.stack(gs).mean(0) for gs in zip(*per_rank)]
@@ -132,7 +132,7 @@ def _fp16_division(rank, world_size, backend):
 # --8<-- [start:fp16]
 @pytest.mark.parametrize("backend", backend_params(4))
 def test_predivision_avoids_fp16_overflow_and_postdivision_avoids_underflow(backend):
-    for r in run_on_ranks(_fp16_division, 4, backend, backend=backend, timeout=TIMEOUT):
+    for r in run_on_ranks(_fp16_division, 4, args=(backend,), backend=backend, timeout=TIMEOUT):
         # 4 x 40000 = 160000 > 65504: summing first overflows, dividing first does not
         assert r["big_post"] == [float("inf")] * 4
         assert r["big_pre"] == [40000.0] * 4
@@ -165,7 +165,7 @@ GLOO_HAS_AVG = torch.torch_version.TorchVersion(torch.__version__) >= "2.7"  # p
 # --8<-- [start:avg]
 @pytest.mark.parametrize("backend", backend_params(2))
 def test_reduce_op_avg_is_not_portable(backend):
-    for r in run_on_ranks(_avg_op, 2, backend, backend=backend, timeout=TIMEOUT):
+    for r in run_on_ranks(_avg_op, 2, args=(backend,), backend=backend, timeout=TIMEOUT):
         if backend == "nccl":  # ncclAvg pre-multiplies by 1/n: no overflow
             assert r["avg_fp16"] == [40000.0] * 2
             continue
@@ -226,7 +226,7 @@ def _ring_vs_collectives(rank, world_size, backend, cases):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
 def test_ring_all_reduce_equals_dist_all_reduce(backend, world_size):
     cases = ring_cases(seed=world_size)
-    done = run_on_ranks(_ring_vs_collectives, world_size, backend, cases, backend=backend, timeout=TIMEOUT)
+    done = run_on_ranks(_ring_vs_collectives, world_size, args=(backend, cases), backend=backend, timeout=TIMEOUT)
     assert {d[0] for d in done} == {len(cases)}
     assert min(d[1] for d in done) >= len(DTYPES)  # the transposed views were really non-contiguous
 # --8<-- [end:ring]
@@ -250,7 +250,7 @@ def _ring_on_subgroups(rank, world_size, backend):
 
 @pytest.mark.parametrize("backend", backend_params(4))
 def test_ring_all_reduce_on_subgroups_uses_group_ranks(backend):
-    results = run_on_ranks(_ring_on_subgroups, 4, backend, backend=backend, timeout=TIMEOUT)
+    results = run_on_ranks(_ring_on_subgroups, 4, args=(backend,), backend=backend, timeout=TIMEOUT)
     assert [r[:2] for r in results] == [(True, True)] * 4
     assert results[0][2] and not any(r[2] for r in results[1:])
 
@@ -292,7 +292,7 @@ def _ring_traffic(rank, world_size, numel):
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_each_rank_sends_2_n_minus_1_over_n_of_the_tensor(world_size):
     numel = 1200  # divisible by 2, 3 and 4
-    for exchanges, sent in run_on_ranks(_ring_traffic, world_size, numel, timeout=TIMEOUT):
+    for exchanges, sent in run_on_ranks(_ring_traffic, world_size, args=(numel,), timeout=TIMEOUT):
         assert exchanges == 2 * (world_size - 1)
         assert sent == 2 * (world_size - 1) * numel // world_size
 

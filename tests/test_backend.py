@@ -112,7 +112,7 @@ def _join_with_auto(rank, world_size, backend):
 @pytest.mark.parametrize("backend", backend_params(2))
 def test_selected_backend_runs_a_collective(backend):
     requested = "auto" if backend == "nccl" else "gloo"
-    results = run_on_ranks(_join_with_auto, 2, requested, backend=backend, init=False, timeout=60)
+    results = run_on_ranks(_join_with_auto, 2, args=(requested,), backend=backend, init=False, timeout=60)
     for rank, (chosen, device, active, total) in enumerate(results):
         assert chosen == active == backend
         assert device == ("cpu" if backend == "gloo" else f"cuda:{rank}")

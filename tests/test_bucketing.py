@@ -101,7 +101,7 @@ def _assignment_and_trace(rank, world_size, model_name, cap, steps):
 
 
 def test_buckets_reduce_in_reverse_registration_order():
-    [(before, _, ready, launched, _)] = run_on_ranks(_assignment_and_trace, 1, "mlp", 0.0001, 1, timeout=30)
+    [(before, _, ready, launched, _)] = run_on_ranks(_assignment_and_trace, 1, args=("mlp", 0.0001, 1), timeout=30)
     params = dict(MODELS["mlp"]().named_parameters())
     names = list(params)
     # torch DDP's rule (with find_unused_parameters=True; without, torch 2.x starts with one
@@ -112,7 +112,7 @@ def test_buckets_reduce_in_reverse_registration_order():
 
 
 def test_buckets_launch_in_order_on_every_rank():
-    results = run_on_ranks(_assignment_and_trace, 3, "mlp", 0.0002, 2, timeout=60)
+    results = run_on_ranks(_assignment_and_trace, 3, args=("mlp", 0.0002, 2), timeout=60)
     for _, after, _, launched, _ in results:
         assert launched == sorted(launched) == list(range(len(after)))
     assert len({str(r[1]) for r in results}) == 1  # every rank agrees on the buckets
@@ -121,8 +121,8 @@ def test_buckets_launch_in_order_on_every_rank():
 def test_rebuild_follows_the_order_gradients_arrived():
     # ReverseOrder registers last, middle, first but runs first, middle, last: registration
     # order puts "first" in the first-reduced bucket, yet its gradient arrives last
-    [(before, after, ready, launched, _)] = run_on_ranks(_assignment_and_trace, 2, "reverse_order", 0.0002, 2,
-                                                        timeout=60)[:1]
+    [(before, after, ready, launched, _)] = run_on_ranks(_assignment_and_trace, 2, args=("reverse_order", 0.0002, 2),
+                                                         timeout=60)[:1]
     assert before[0][0].startswith("first")
     assert after[0][0].startswith("last") and after[-1][-1].startswith("first")
     flat_after = [n for bucket in after for n in bucket]
@@ -130,7 +130,7 @@ def test_rebuild_follows_the_order_gradients_arrived():
 
 
 def test_first_bucket_launches_before_backward_ends():
-    [(_, _, _, _, events)] = run_on_ranks(_assignment_and_trace, 2, "mlp", 0.0001, 2, timeout=60)[:1]
+    [(_, _, _, _, events)] = run_on_ranks(_assignment_and_trace, 2, args=("mlp", 0.0001, 2), timeout=60)[:1]
     t = {}
     for e in events:
         t.setdefault((e["name"], e.get("bucket")), e["t"])

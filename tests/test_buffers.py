@@ -59,7 +59,7 @@ def _buffers_seen_by_forward(rank, world_size, broadcast):
 
 @pytest.mark.parametrize("broadcast", [True, False])
 def test_buffers_equal_rank_0s_at_every_forward_only_when_broadcast(broadcast):
-    a, b = run_on_ranks(_buffers_seen_by_forward, 2, broadcast, timeout=60)
+    a, b = run_on_ranks(_buffers_seen_by_forward, 2, args=(broadcast,), timeout=60)
     if broadcast:
         assert torch.equal(a, b)  # each forward starts from rank 0's running stats
     else:
@@ -94,7 +94,7 @@ def _mismatch(rank, world_size, kind):
 
 def test_shape_mismatch_is_named_on_every_rank_without_hanging():
     with pytest.raises(RankError) as info:
-        run_on_ranks(_mismatch, 3, "shape", timeout=60, grace=10)
+        run_on_ranks(_mismatch, 3, args=("shape",), timeout=60, grace=10)
     assert isinstance(info.value.__cause__, ParameterMismatchError)
     message = str(info.value)
     assert "1.weight" in message and "rank 2" in message and "(2, 4)" in message and "(3, 4)" in message
@@ -102,7 +102,7 @@ def test_shape_mismatch_is_named_on_every_rank_without_hanging():
 
 def test_different_parameter_counts_are_named():
     with pytest.raises(RankError, match=r"rank 0 has 2 parameters, rank 1 has 4.*1\.weight"):
-        run_on_ranks(_mismatch, 2, "count", timeout=60, grace=10)
+        run_on_ranks(_mismatch, 2, args=("count",), timeout=60, grace=10)
 
 
 def _naive_broadcast(tensors):  # one broadcast per tensor: the reference

@@ -117,7 +117,7 @@ CASES = {
 def test_matches_torch_ddp(case):
     model_name, options, accumulation, branch_on = CASES[case]
     world_size = 3 if case in ("mlp", "unused_on_some_ranks", "mixed_dtypes") else 2
-    results = run_on_ranks(_parity, world_size, "gloo", model_name, options, 4, accumulation, branch_on,
+    results = run_on_ranks(_parity, world_size, args=("gloo", model_name, options, 4, accumulation, branch_on),
                            timeout=90)
     for rank, (grad_diff, param_diff, spread) in enumerate(results):
         assert grad_diff < 1e-5, f"rank {rank}: gradients differ from torch DDP by {grad_diff}"
@@ -127,14 +127,15 @@ def test_matches_torch_ddp(case):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_matches_torch_ddp_at_several_world_sizes(world_size):
-    results = run_on_ranks(_parity, world_size, "gloo", "mlp", {"bucket_cap_mb": 0.001}, 3, 2, _always, timeout=90)
+    results = run_on_ranks(_parity, world_size, args=("gloo", "mlp", {"bucket_cap_mb": 0.001}, 3, 2, _always),
+                           timeout=90)
     assert max(max(r[0], r[1]) for r in results) < 1e-5 and all(r[2] == 0.0 for r in results)
 
 
 @pytest.mark.parametrize("backend", backend_params(1))
 def test_world_of_one_on_every_backend(backend):
     # one GPU cannot hold two NCCL ranks: the NCCL path is checked at world size 1
-    [(grad_diff, param_diff, _)] = run_on_ranks(_parity, 1, backend, "mlp", {}, 2, 1, _always,
+    [(grad_diff, param_diff, _)] = run_on_ranks(_parity, 1, args=(backend, "mlp", {}, 2, 1, _always),
                                                 backend=backend, timeout=90)
     assert grad_diff < 1e-5 and param_diff < 1e-5
 
@@ -179,7 +180,7 @@ def _against_one_process(rank, world_size, steps):
 
 
 def test_equals_one_process_on_the_global_batch():
-    assert max(run_on_ranks(_against_one_process, 3, 5, timeout=60)) < 1e-5
+    assert max(run_on_ranks(_against_one_process, 3, args=(5,), timeout=60)) < 1e-5
 
 
 def _without_ddp(rank, world_size):

@@ -122,7 +122,7 @@ def train_on_global_batches(world_size):
 
 def run(world_size, backend, sync, **kwargs):
     kind = "cuda" if backend == "nccl" else "cpu"
-    return run_on_ranks(_train_on_shard, world_size, kind, sync, backend=backend, timeout=60, **kwargs)
+    return run_on_ranks(_train_on_shard, world_size, args=(kind, sync), kwargs=kwargs, backend=backend, timeout=60)
 
 
 # --8<-- [start:test]

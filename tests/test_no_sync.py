@@ -46,7 +46,7 @@ def _accumulate(rank, world_size, k):
 
 
 def test_inside_no_sync_gradients_stay_local_then_sync_averages_the_sums():
-    results = run_on_ranks(_accumulate, 2, 3, timeout=60)
+    results = run_on_ranks(_accumulate, 2, args=(3,), timeout=60)
     (inside0, local0, synced0, mean0), (inside1, local1, synced1, _) = results
     assert not torch.allclose(inside0[-1], inside1[-1])  # negative: no communication inside
     assert torch.allclose(synced0, mean0, atol=1e-6) and torch.allclose(synced1, mean0, atol=1e-6)
@@ -91,7 +91,7 @@ def _forward_placement(rank, world_size, which):
 
 @pytest.mark.parametrize("which, synced", [("forward_inside", False), ("backward_inside", True)])
 def test_what_counts_is_where_the_forward_ran_as_in_torch(which, synced):
-    for out in run_on_ranks(_forward_placement, 2, which, timeout=60):
+    for out in run_on_ranks(_forward_placement, 2, args=(which,), timeout=60):
         assert out == {"ours": synced, "torch": synced}
 
 
@@ -113,7 +113,7 @@ def _forward_in_between(rank, world_size, mode):
 
 @pytest.mark.parametrize("mode", ["no_grad", "no_sync"])
 def test_a_forward_in_between_does_not_disarm_the_pending_sync(mode):
-    for synced in run_on_ranks(_forward_in_between, 2, mode, timeout=60):
+    for synced in run_on_ranks(_forward_in_between, 2, args=(mode,), timeout=60):
         assert synced == {"ours": True, "torch": True}
 
 
@@ -170,7 +170,7 @@ def _right(step, k, n):
 
 
 def test_the_schedule_matches_one_process_and_the_off_by_one_does_not():
-    right = run_on_ranks(_train_with_schedule, 2, _right, 4, 10, timeout=60)
-    wrong = run_on_ranks(_train_with_schedule, 2, _off_by_one, 4, 10, timeout=60)
+    right = run_on_ranks(_train_with_schedule, 2, args=(_right, 4, 10), timeout=60)
+    wrong = run_on_ranks(_train_with_schedule, 2, args=(_off_by_one, 4, 10), timeout=60)
     assert max(right) < 1e-5
     assert min(wrong) > 1e-3  # the test can tell: syncing the first micro-batch is caught

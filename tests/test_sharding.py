@@ -198,7 +198,7 @@ def _default_shard(rank, world_size, n):
 
 @pytest.mark.parametrize("backend", backend_params(3))
 def test_defaults_come_from_torch_distributed(backend):
-    got = run_on_ranks(_default_shard, 3, 11, backend=backend, timeout=60)
+    got = run_on_ranks(_default_shard, 3, args=(11,), backend=backend, timeout=60)
     for rank, indices in enumerate(got):
         expected = DistributedSampler(Sized(11), 3, rank, seed=5)
         expected.set_epoch(2)

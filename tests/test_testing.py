@@ -1,11 +1,15 @@
 """The harness itself: results in rank order, failures and hangs reported, no orphans."""
 
 import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
 
 from miniddp.testing import RankError, RankTimeout, run_on_ranks
 
@@ -18,7 +22,7 @@ def _rank_info(rank, world_size, offset):
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_results_come_back_in_rank_order(world_size):
-    results = run_on_ranks(_rank_info, world_size, 100, timeout=60)
+    results = run_on_ranks(_rank_info, world_size, args=(100,), timeout=60)
     total = sum(range(world_size))
     assert results == [(r + 100, world_size, total, 1, str(r), r) for r in range(world_size)]
 
@@ -49,7 +53,7 @@ def _hang(rank, world_size, pid_dir):
 def test_a_hung_rank_is_killed_at_the_timeout_and_named(tmp_path):
     start = time.monotonic()
     with pytest.raises(RankTimeout) as info:
-        run_on_ranks(_hang, 2, str(tmp_path), timeout=3, init=False)
+        run_on_ranks(_hang, 2, args=(str(tmp_path),), timeout=3, init=False)
     assert info.value.ranks == [1] and "did not finish within 3 s" in str(info.value)
     assert time.monotonic() - start < 15
     pid = int((tmp_path / "1.pid").read_text())
@@ -77,4 +81,154 @@ def test_fork_runs_functions_that_cannot_be_pickled():
 
 def test_world_size_must_be_positive():
     with pytest.raises(ValueError, match="world_size"):
-        run_on_ranks(_rank_info, 0, 0)
+        run_on_ranks(_rank_info, 0, args=(0,))
+
+
+def _touch(rank, world_size, path):
+    open(path, "w").close()
+
+
+def _takes_timeout(rank, world_size, *, timeout):
+    return timeout
+
+
+def test_fn_owns_its_keywords_and_a_misspelt_option_fails_before_any_process(tmp_path):
+    assert run_on_ranks(_takes_timeout, 2, kwargs={"timeout": 7}, init=False, timeout=30) == [7, 7]
+    marker = tmp_path / "ran"
+    with pytest.raises(TypeError, match="timout"):
+        run_on_ranks(_touch, 2, args=(str(marker),), timout=3)
+    with pytest.raises(TypeError, match="args="):
+        run_on_ranks(_touch, 2, args=str(marker))
+    with pytest.raises(TypeError, match="kwargs="):
+        run_on_ranks(_touch, 2, kwargs=[("path", str(marker))])
+    assert not marker.exists()  # no rank ever started
+
+
+# The process table is the oracle of the tests below. A pid killed but not yet reaped is a
+# zombie (state Z); one reparented to PID 1 may stay a zombie in a container: both count as dead.
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _survivors(pids, within=5.0):
+    """The pids still alive after ``within`` seconds (a SIGKILL takes a moment to land)."""
+    deadline = time.monotonic() + within
+    while (alive := [pid for pid in pids if _alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
+
+
+def _descendants(pid: int) -> list[int]:
+    parents = {}  # pid -> parent pid, from the process table
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parents[int(entry)] = int(f.read().rpartition(")")[2].split()[1])
+        except OSError:  # gone meanwhile
+            pass
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for child, parent in parents.items() if parent in frontier]
+        found += frontier
+    return found
+
+
+def _start_descendants(pid_dir, rank):
+    """Start a ``sleep`` child and two DataLoader workers; write the pids of this rank and all below it."""
+    sleeper = subprocess.Popen(["sleep", "600"])
+    # fork: a forkserver rank's default would start a forkserver of its own (seconds; same group)
+    loader = DataLoader(TensorDataset(torch.arange(8.0)), num_workers=2, persistent_workers=True,
+                        multiprocessing_context="fork")
+    batches = iter(loader)
+    next(batches)  # the workers run
+    pids = [os.getpid(), *_descendants(os.getpid())]
+    assert {sleeper.pid, *(w.pid for w in batches._workers)} <= set(pids), pids
+    path = os.path.join(pid_dir, f"{rank}.pids")
+    with open(path + ".tmp", "w") as f:
+        f.write(" ".join(map(str, pids)))
+    os.replace(path + ".tmp", path)  # a reader never sees half a list
+    return sleeper, batches  # the caller keeps them referenced
+
+
+def _read_pids(pid_dir, ranks):
+    return [int(pid) for rank in ranks for pid in (pid_dir / f"{rank}.pids").read_text().split()]
+
+
+def _no_survivors(pids, within=5.0):
+    """Assert that every pid dies within ``within`` s; kill survivors, so a failing test leaves none either."""
+    alive = _survivors(pids, within)
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert alive == [], f"alive: {alive} of {pids}"
+
+
+def _hang_with_descendants(rank, world_size, pid_dir):
+    if rank == 1:
+        started = _start_descendants(pid_dir, rank)  # noqa: F841 (kept alive while hanging)
+        time.sleep(600)
+    return "done"
+
+
+def test_a_timed_out_rank_takes_its_dataloader_workers_and_children_with_it(tmp_path):
+    with pytest.raises(RankTimeout):
+        run_on_ranks(_hang_with_descendants, 2, args=(str(tmp_path),), init=False, timeout=5)
+    _no_survivors(_read_pids(tmp_path, [1]))
+
+
+def _fail_while_a_peer_has_a_child(rank, world_size, pid_dir):
+    if rank == 1:
+        started = _start_descendants(pid_dir, rank)  # noqa: F841
+        time.sleep(600)
+    deadline = time.monotonic() + 20
+    while not os.path.exists(os.path.join(pid_dir, "1.pids")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    raise ValueError("rank 0 fails while rank 1 has a child")
+
+
+def test_after_a_failure_and_its_grace_nothing_survives(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(RankError, match="rank 0 fails"):
+        run_on_ranks(_fail_while_a_peer_has_a_child, 2, args=(str(tmp_path),), init=False, timeout=60, grace=0.5)
+    assert time.monotonic() - start < 30
+    _no_survivors(_read_pids(tmp_path, [1]))
+
+
+def _descendants_then_sleep(rank, world_size, pid_dir):
+    started = _start_descendants(pid_dir, rank)  # noqa: F841
+    time.sleep(600)
+
+
+# A pytest-xdist worker SIGKILLed (by a CI timeout, say) runs no finally: the ranks must notice.
+CALLER = """
+import sys
+sys.path.insert(0, {tests!r})
+from miniddp.testing import run_on_ranks
+from test_testing import _descendants_then_sleep
+
+if __name__ == "__main__":
+    run_on_ranks(_descendants_then_sleep, 2, args=({pid_dir!r},), init=False, start_method={method!r}, timeout=120)
+"""
+
+
+@pytest.mark.parametrize("method", ["forkserver", "fork"])
+def test_when_the_caller_is_sigkilled_no_process_of_the_run_survives(tmp_path, method):
+    script = tmp_path / "caller.py"
+    script.write_text(CALLER.format(tests=os.path.dirname(__file__), pid_dir=str(tmp_path), method=method))
+    caller = subprocess.Popen([sys.executable, str(script)])
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"{r}.pids").exists() for r in (0, 1)):
+            assert caller.poll() is None, f"the caller exited with {caller.returncode}"
+            assert time.monotonic() < deadline, "the ranks never wrote their pids"
+            time.sleep(0.05)
+        pids = _read_pids(tmp_path, [0, 1])
+        assert len(pids) >= 8 and _survivors(pids, within=0) == pids  # 2 ranks, 2 workers, 1 sleep each
+    finally:
+        caller.kill()  # SIGKILL: no finally, no atexit in the caller
+        caller.wait(10)
+    _no_survivors(pids)

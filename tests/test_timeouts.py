@@ -61,7 +61,7 @@ def _one_rank_stalls(rank, world_size, backend, timeout_s):
 def test_stalled_rank_makes_its_peer_raise_within_the_timeout(backend):
     start = time.monotonic()
     with pytest.raises(RankError) as info:
-        run_on_ranks(_one_rank_stalls, 2, backend, 3, backend=backend, init=False, timeout=30, grace=0.5)
+        run_on_ranks(_one_rank_stalls, 2, args=(backend, 3), backend=backend, init=False, timeout=30, grace=0.5)
     elapsed = time.monotonic() - start
     assert info.value.rank == 0  # the waiting rank is the one that raises
     assert re.search(r"time(d)?\s?out", str(info.value), re.IGNORECASE), str(info.value)
@@ -80,7 +80,7 @@ def _barrier_with_a_late_rank(rank, world_size, late_rank, sleep_s):
 
 
 def test_monitored_barrier_names_the_missing_rank_on_every_rank():
-    results = run_on_ranks(_barrier_with_a_late_rank, 3, 2, 4.0, timeout=30)
+    results = run_on_ranks(_barrier_with_a_late_rank, 3, args=(2, 4.0), timeout=30)
     for rank in (0, 1):
         missing, message = results[rank]
         assert missing == [2], results

@@ -30,7 +30,7 @@ def _run(processes, per_device, accumulation, tmp_path, double=True, **overrides
     out = str(tmp_path / f"run-{processes}-{per_device}-{accumulation}-{len(overrides)}")
     cfg = {"per_device_train_batch_size": per_device, "gradient_accumulation_steps": accumulation,
            "output_dir": out, **overrides}
-    return run_on_ranks(_train, processes, cfg, double, init=False, timeout=120)[0]
+    return run_on_ranks(_train, processes, args=(cfg, double), init=False, timeout=120)[0]
 
 
 def _max_diff(a, b):
@@ -141,7 +141,7 @@ def _crash_mid_save(rank, world_size, out):
 
 def test_a_crash_mid_save_leaves_the_previous_checkpoint_intact(tmp_path):
     out = tmp_path / "crash"
-    assert run_on_ranks(_crash_mid_save, 1, str(out), init=False, timeout=60) == ["crashed"]
+    assert run_on_ranks(_crash_mid_save, 1, args=(str(out),), init=False, timeout=60) == ["crashed"]
     assert [p.name for p in checkpoints(out)] == ["checkpoint-2"]
     assert not (out / "checkpoint-4").exists()
     params, metrics = _run(1, 8, 1, tmp_path, max_steps=4, resume_from_checkpoint="latest", output_dir=str(out))
@@ -150,9 +150,9 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_intact(tmp_path):
 
 def test_default_settings_reach_the_stated_accuracy(tmp_path):
     # the README's command: 2 processes, every other setting at its default
-    _, metrics = run_on_ranks(_train, 2, {"output_dir": str(tmp_path), "max_steps": -1, "dataset_size": 2048,
-                                          "eval_size": 512, "learning_rate": 1e-3, "logging_steps": 10},
-                              False, init=False, timeout=180)[0]
+    _, metrics = run_on_ranks(_train, 2, args=({"output_dir": str(tmp_path), "max_steps": -1, "dataset_size": 2048,
+                                                "eval_size": 512, "learning_rate": 1e-3, "logging_steps": 10},
+                                               False), init=False, timeout=180)[0]
     assert metrics["global_step"] == 384 and metrics["eval_accuracy"] >= 0.90, metrics
 
 

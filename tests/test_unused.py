@@ -40,7 +40,7 @@ def _unused_without_flag(rank, world_size, unused_on):
 
 @pytest.mark.parametrize("unused_on", [(0, 1), (1,)], ids=["every_rank", "one_rank"])
 def test_missing_gradient_raises_on_every_rank_in_the_same_backward(unused_on):
-    results = run_on_ranks(_unused_without_flag, 2, unused_on, timeout=60)
+    results = run_on_ranks(_unused_without_flag, 2, args=(unused_on,), timeout=60)
     for rank, (what, names, message, seconds) in enumerate(results):
         assert what == "raised in the same backward"
         assert names == ["branch.weight", "branch.bias"] or names == ["branch.bias", "branch.weight"]

@@ -5,10 +5,13 @@ What
     ``device_ids, process_group, bucket_cap_mb, broadcast_buffers,
     find_unused_parameters, gradient_as_bucket_view``. Wrapping checks that every
     rank built the same model and copies rank 0's state (``buffers.py``); each
-    forward re-broadcasts buffers and arms the reducer; each backward averages
-    gradients in buckets that overlap with the computation (``bucketing.py``,
-    ``reducer.py``), unless the forward ran in ``no_sync()`` (``no_sync.py``);
-    parameters without gradients are handled or reported (``unused.py``).
+    grad-enabled forward re-broadcasts buffers and arms the reducer; each
+    backward averages gradients in buckets that overlap with the computation
+    (``bucketing.py``, ``reducer.py``), unless the forward ran in ``no_sync()``
+    (``no_sync.py``); parameters without gradients are handled or reported
+    (``unused.py``); ranks with fewer batches shadow the others inside
+    ``join()`` (``join.py``). Forwards under ``torch.no_grad()`` or
+    ``inference_mode()`` never communicate, so rank 0 can evaluate alone.
 
 Why
     Each piece alone is a page of this site; this file is where they meet, and
@@ -17,10 +20,13 @@ Why
 How torch differs
     torch's ``DistributedDataParallel`` (``torch/nn/parallel/distributed.py`` +
     ``reducer.cpp``) also supports static graphs, communication hooks
-    (compression, PowerSGD), mixed-device modules, sparse gradients, join for
-    uneven inputs and Python-side optimizer overlap; we leave those out. We raise
-    a missing gradient at the end of the same backward instead of the next
-    iteration.
+    (compression, PowerSGD), mixed-device modules, sparse gradients and
+    Python-side optimizer overlap; we leave those out (sparse gradients are
+    refused at wrap). We raise a missing gradient at the end of the same backward
+    instead of the next iteration, compare buffers and ``requires_grad`` across
+    ranks at wrap (torch: parameter shapes only), and never communicate in a
+    no-grad forward (torch broadcasts buffers there, so a rank-0-only evaluation
+    of a BatchNorm model can hang).
 """
 
 from __future__ import annotations
@@ -29,9 +35,11 @@ import torch
 import torch.distributed as dist
 
 from .bucketing import bucket_size_limits
-from .buffers import broadcast_buffers, sync_module_states, verify_param_shapes
+from .buffers import broadcast_buffers, refuse_sparse_gradients, sync_module_states, verify_same_model
+from .join import Join
 from .no_sync import no_sync
 from .reducer import Reducer
+from .timeouts import announce_process
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -49,13 +57,18 @@ class DistributedDataParallel(torch.nn.Module):
         self.process_group = process_group or dist.group.WORLD  # the ranks we average with
         self.broadcast_buffers = broadcast_buffers  # copy rank 0's buffers before every forward
         self.require_backward_grad_sync = True  # False inside no_sync()
+        self._join = None  # the open join() context, if any (join.py)
         limits = bucket_size_limits(bucket_cap_mb)
+        # --8<-- [start:wrap]
+        verify_same_model(module, self.process_group, include_buffers=broadcast_buffers)  # or a clear error
+        refuse_sparse_gradients(module)  # our buckets are dense
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]  # tied weights once
         if not named:
             raise ValueError("the module has no parameter with requires_grad=True: there is nothing to average")
-        # --8<-- [start:wrap]
-        verify_param_shapes(module, self.process_group)  # same model everywhere, or a clear error
+        self.device = named[0][1].device  # where small control tensors live (join rounds)
+        self._trained = tuple(p.requires_grad for p in module.parameters())  # requires_grad at wrap
         sync_module_states(module, self.process_group, include_buffers=broadcast_buffers)  # rank 0's state
+        announce_process()  # host:pid in the store, so a stall elsewhere can name this rank
         self.reducer = Reducer([p for _, p in named], [n for n, _ in named], self.process_group, limits,
                                find_unused_parameters=find_unused_parameters,
                                gradient_as_bucket_view=gradient_as_bucket_view, tracer=tracer)
@@ -63,20 +76,55 @@ class DistributedDataParallel(torch.nn.Module):
 
     # --8<-- [start:forward]
     def forward(self, *args, **kwargs):
-        self.reducer.rebuild_if_due()  # once, after the first iteration
-        if self.broadcast_buffers:
-            broadcast_buffers(self.module, self.process_group)  # BatchNorm stats: rank 0's
+        if not torch.is_grad_enabled():  # evaluation: no buffer broadcast, no rebuild, nothing to sync
+            return self.module(*args, **kwargs)
+        self._check_requires_grad_unchanged()
+        divisor = expected = None  # the world size, unless some ranks have joined
+        if self._join is not None:  # uneven inputs: tell the joined ranks what this iteration does
+            plan = self._join.notify(self.require_backward_grad_sync, self.reducer.rebuild_due)
+            self._sync_before_forward(rebuild=plan.rebuild, source=plan.source)
+            divisor, expected = self._join.divisor(plan), len(plan.active)
+        else:
+            self._sync_before_forward(rebuild=self.reducer.rebuild_due, source=0)
         outputs = self.module(*args, **kwargs)
-        if torch.is_grad_enabled() and self.require_backward_grad_sync:
-            self.reducer.prepare_for_backward(outputs)  # arm the hooks for this graph
+        if self.require_backward_grad_sync:
+            self.reducer.prepare_for_backward(outputs, divisor, expected)  # arm the hooks for this graph
         # a no_sync or no-grad forward leaves the reducer as it was: an earlier synced
         # forward whose backward has not run yet still syncs (as in torch)
         return outputs
+
+    def _sync_before_forward(self, rebuild: bool, source: int) -> None:
+        """What every rank does before a grad-enabled forward (a joined rank too, in join.py)."""
+        if rebuild and not self.reducer.rebuilt:
+            self.reducer.rebuild()  # once, after the first iteration
+        if self.broadcast_buffers:
+            broadcast_buffers(self.module, self.process_group, source)  # BatchNorm stats: one rank's
     # --8<-- [end:forward]
+
+    def _sync_module_states(self, source: int) -> None:
+        sync_module_states(self.module, self.process_group, include_buffers=self.broadcast_buffers, src=source)
+
+    def _check_requires_grad_unchanged(self) -> None:
+        now = tuple(p.requires_grad for p in self.module.parameters())
+        if now != self._trained:
+            name, was = next((n, w) for (n, p), w in zip(self.module.named_parameters(), self._trained)
+                             if p.requires_grad != w)
+            raise RuntimeError(
+                f"{name}.requires_grad changed from {was} to {not was} after wrapping: DistributedDataParallel "
+                "chose the parameters it averages when it wrapped the model. Set requires_grad before wrapping "
+                "(to change it mid-training, wrap the model again).")
 
     def no_sync(self):
         """Context manager: accumulate gradients locally; see ``miniddp.no_sync``."""
         return no_sync(self)
+
+    # --8<-- [start:join]
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """Context manager for uneven inputs (torch's semantics): ranks that run out of batches shadow
+        the collectives of those still training; see ``miniddp.join``."""
+        return Join(self, divide_by_initial_world_size, enable, throw_on_early_termination)
+    # --8<-- [end:join]
 
     @property
     def bucket_assignment(self) -> list[list[str]]:

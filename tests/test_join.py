@@ -1,0 +1,162 @@
+"""join(): uneven inputs, with torch DDP's join() on the same uneven data as the oracle.
+
+Every rank gets a different number of batches. miniddp's DDP and torch's train
+the same model (built from a different seed on every rank, so the wrap matters)
+on the same batches, each inside its own ``join()``; afterwards the parameters
+and buffers must equal torch's and be identical on every rank. Without join the
+same loop fails, with an error that names the rank that ran out of data.
+"""
+
+import copy
+import warnings
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import miniddp
+from miniddp.join import EarlyTerminationError
+from miniddp.testing import RankError, run_on_ranks
+from models import MODELS
+
+
+def _batches(rank, count, accumulation):
+    out = []
+    for step in range(count):
+        for micro in range(accumulation):
+            g = torch.Generator().manual_seed(10_000 * rank + 100 * step + micro)
+            out.append((torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g), micro == accumulation - 1))
+    return out
+
+
+def _train(ddp, batches, join_kwargs):
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    with ddp.join(**join_kwargs) if join_kwargs is not None else nullcontext():
+        for x, y, last in batches:
+            with nullcontext() if last else ddp.no_sync():
+                F.mse_loss(ddp(x), y).backward()
+            if last:
+                opt.step()
+                opt.zero_grad()
+
+
+def _state(module):
+    return torch.cat([t.detach().double().flatten() for t in module.state_dict().values()])
+
+
+def _flat(tensors):
+    return torch.cat([t.detach().double().flatten() for t in tensors] or [torch.zeros(0, dtype=torch.double)])
+
+
+# --8<-- [start:parity]
+def _join_parity(rank, world_size, model_name, options, steps_per_rank, accumulation, join_kwargs):
+    torch.manual_seed(1000 + rank)  # different on every rank: only the wrap makes them equal
+    mine = MODELS[model_name]()
+    theirs = copy.deepcopy(mine)
+    batches = _batches(rank, steps_per_rank[rank], accumulation)  # uneven: a different count per rank
+    _train(miniddp.DistributedDataParallel(mine, **options), batches, join_kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _train(TorchDDP(theirs, **options), batches, join_kwargs)
+    params = (_flat(mine.parameters()) - _flat(theirs.parameters())).abs().max().item()
+    buffers = (_flat(mine.buffers()) - _flat(theirs.buffers())).abs().sum().item()
+    ours = _state(mine)
+    everyone = [torch.empty_like(ours) for _ in range(world_size)]
+    dist.all_gather(everyone, ours)
+    return params, buffers, max((e - ours).abs().max().item() for e in everyone)
+# --8<-- [end:parity]
+
+
+CASES = {  # model, DDP options, batches per rank, accumulation, join()'s arguments
+    "mlp_initial_world_size": ("mlp", {}, [3, 5, 4], 1, {}),
+    "mlp_active_ranks": ("mlp", {}, [3, 5, 4], 1, {"divide_by_initial_world_size": False}),
+    "batchnorm_buffers": ("batchnorm", {}, [2, 5, 3], 1, {}),
+    "batchnorm_buffers_active_ranks": ("batchnorm", {}, [4, 2, 3], 1, {"divide_by_initial_world_size": False}),
+    # buffers differ from torch here, by design: torch skips the buffer broadcast in the forward after a
+    # no_sync forward, miniddp broadcasts before every grad-enabled forward (DESIGN.md); parameters agree
+    "no_sync_inside_join": ("batchnorm", {"bucket_cap_mb": 0.001}, [2, 4, 3], 2, {}),
+    "rank_0_joins_before_the_rebuild": ("reverse_order", {"bucket_cap_mb": 0.001}, [1, 4, 2], 1, {}),
+    "a_rank_with_no_batch_at_all": ("mlp", {"bucket_cap_mb": 0.001}, [3, 0, 2], 1, {}),
+    "find_unused_parameters": ("branchy", {"find_unused_parameters": True}, [2, 3, 4], 1, {}),
+    "even_inputs": ("mlp", {}, [3, 3, 3], 1, {}),
+    "disabled_even_inputs": ("mlp", {}, [3, 3, 3], 1, {"enable": False}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_join_matches_torch_ddp_join_on_uneven_inputs(case):
+    model_name, options, steps, accumulation, join_kwargs = CASES[case]
+    results = run_on_ranks(_join_parity, 3, args=(model_name, options, steps, accumulation, join_kwargs),
+                           timeout=90)
+    for rank, (params, buffers, spread) in enumerate(results):
+        assert params < 1e-5, f"rank {rank}: parameters differ from torch's join by {params}"
+        if case != "no_sync_inside_join":
+            assert buffers < 1e-5, f"rank {rank}: buffers differ from torch's join by {buffers}"
+        assert spread == 0.0, f"rank {rank}: ranks end with different models ({spread})"
+
+
+def _divisor_matters(rank, world_size):
+    results = []
+    for flag in (True, False):
+        torch.manual_seed(0)
+        model = MODELS["mlp"]()
+        _train(miniddp.DistributedDataParallel(model), _batches(rank, [1, 3][rank], 1),
+               {"divide_by_initial_world_size": flag})
+        results.append(_state(model))
+    return (results[0] - results[1]).abs().max().item()
+
+
+def test_negative_the_divisor_flag_changes_the_result():
+    # so the parity above checks the flag: the average over active ranks is a different update
+    assert min(run_on_ranks(_divisor_matters, 2, timeout=60)) > 1e-4
+
+
+def _throw(rank, world_size, use_torch):
+    torch.manual_seed(0)
+    model = MODELS["mlp"]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ddp = TorchDDP(model) if use_torch else miniddp.DistributedDataParallel(model)
+    seen = 0
+    try:
+        with ddp.join(throw_on_early_termination=True):
+            for x, y, _ in _batches(rank, [2, 5, 5][rank], 1):
+                F.mse_loss(ddp(x), y).backward()
+                seen += 1
+    except RuntimeError as err:
+        return seen, type(err).__name__, str(err)
+    return seen, None, None
+
+
+@pytest.mark.parametrize("use_torch", [False, True], ids=["miniddp", "torch"])
+def test_throw_on_early_termination_raises_on_every_rank_at_the_same_iteration(use_torch):
+    results = run_on_ranks(_throw, 3, args=(use_torch,), timeout=60)
+    assert [seen for seen, _, _ in results] == [2, 2, 2]  # the others stop where rank 0 ran out
+    assert all(name is not None for _, name, _ in results)
+    if not use_torch:
+        assert [name for _, name, _ in results] == ["EarlyTerminationError"] * 3
+        assert "rank(s) [0] exhausted" in results[1][2] and "rank 0 exhausted" in results[0][2]
+        assert issubclass(EarlyTerminationError, RuntimeError)
+
+
+def _no_grad_inside_join(rank, world_size):
+    torch.manual_seed(0)
+    ddp = miniddp.DistributedDataParallel(MODELS["batchnorm"]())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    with ddp.join():
+        for x, y, _ in _batches(rank, [2, 3][rank], 1):
+            F.mse_loss(ddp(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                for _ in range(rank + 1):  # a different number of evaluation forwards per rank
+                    ddp(x)
+    return _state(ddp.module)
+
+
+def test_no_grad_forwards_inside_join_are_not_rounds():
+    a, b = run_on_ranks(_no_grad_inside_join, 2, timeout=60)
+    assert torch.equal(a, b)

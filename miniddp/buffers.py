@@ -1,8 +1,9 @@
 """Module state: check it matches at wrap, copy it from rank 0, keep buffers in step.
 
 What
-    ``verify_param_shapes`` checks that every rank built the same model (names,
-    shapes, dtypes) and names the first difference; ``sync_module_states``
+    ``verify_same_model`` checks that every rank built the same model (the names,
+    shapes, dtypes and ``requires_grad`` of parameters, and the buffers that will
+    be broadcast) and names the first difference; ``sync_module_states``
     broadcasts parameters (and buffers) from rank 0 when DDP wraps a model;
     ``broadcast_buffers`` re-broadcasts buffers (BatchNorm's running mean and
     variance, step counters...) at the start of every forward; all through
@@ -18,7 +19,9 @@ Why
     drift apart per rank unless someone copies them.
 
 How torch differs
-    torch does the same at construction (``_verify_param_shape_across_processes``
+    torch does the same at construction (``_verify_param_shape_across_processes``,
+    parameters' shapes only: a parameter frozen on one rank only, or a buffer
+    of another size, gets past it and then aborts or corrupts silently
     and ``_sync_module_states`` with 250 MiB broadcast buckets, in
     ``torch/nn/parallel/distributed.py`` and ``torch/distributed/utils.py``) and
     ``_sync_buffers`` before each forward. With ``broadcast_buffers=False`` torch
@@ -39,26 +42,48 @@ class ParameterMismatchError(ValueError):
     """Ranks hold models with different parameters; raised on every rank alike."""
 
 
+def _describe(module: torch.nn.Module, include_buffers: bool) -> dict[str, list[str]]:
+    """What must agree across ranks, one line per tensor: ``"fc.weight shape (4, 8) float32 requires_grad=True"``."""
+    def line(name, t, extra=""):
+        return f"{name} shape {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}{extra}"
+    out = {"parameter": [line(n, p, f" requires_grad={p.requires_grad}") for n, p in module.named_parameters()]}
+    if include_buffers:
+        out["buffer"] = [line(n, b) for n, b in module.named_buffers()]
+    return out
+
+
 # --8<-- [start:verify]
-def verify_param_shapes(module: torch.nn.Module, group=None) -> None:
-    """Raise on every rank if any rank's parameters differ (name, shape or dtype) from rank 0's."""
-    mine = [(name, tuple(p.shape), str(p.dtype).replace("torch.", "")) for name, p in module.named_parameters()]
+def verify_same_model(module: torch.nn.Module, group=None, include_buffers: bool = True) -> None:
+    """Raise on every rank if any rank's parameters (name, shape, dtype, requires_grad) or buffers
+    differ from rank 0's, naming the first difference and every rank that has it."""
     everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)  # small, once: pickled lists are fine
-    reference = everyone[0]
-    for rank, theirs in enumerate(everyone[1:], start=1):
-        for k, (ref, got) in enumerate(zip(reference, theirs)):
-            if ref != got:
+    dist.all_gather_object(everyone, _describe(module, include_buffers), group=group)  # small, once
+    for kind, reference in everyone[0].items():
+        for k, ref in enumerate(reference):
+            odd = [(r, theirs[kind][k]) for r, theirs in enumerate(everyone)
+                   if k < len(theirs[kind]) and theirs[kind][k] != ref]
+            if odd:
                 raise ParameterMismatchError(
-                    f"parameter #{k} differs between rank 0 and rank {rank}: rank 0 has {ref[0]} "
-                    f"shape {ref[1]} {ref[2]}, rank {rank} has {got[0]} shape {got[1]} {got[2]}. "
-                    "Every rank must build the same model before wrapping it in DistributedDataParallel.")
-        if len(reference) != len(theirs):
-            longer, extra = (0, reference) if len(reference) > len(theirs) else (rank, theirs)
-            raise ParameterMismatchError(
-                f"rank 0 has {len(reference)} parameters, rank {rank} has {len(theirs)}; the first one only "
-                f"rank {longer} has is {extra[min(len(reference), len(theirs))][0]}.")
+                    f"{kind} #{k} differs across ranks: rank 0 has {ref}; "
+                    + "; ".join(f"rank {r} has {got}" for r, got in odd)
+                    + ". Every rank must build the same model (parameters, buffers, shapes, dtypes, requires_grad) "
+                    "before wrapping it in DistributedDataParallel.")
+        for rank, theirs in enumerate(everyone):
+            if len(theirs[kind]) != len(reference):
+                longer, extra = (0, reference) if len(reference) > len(theirs[kind]) else (rank, theirs[kind])
+                raise ParameterMismatchError(
+                    f"rank 0 has {len(reference)} {kind}s, rank {rank} has {len(theirs[kind])}; the first one only "
+                    f"rank {longer} has is {extra[min(len(reference), len(theirs[kind]))].split()[0]}.")
 # --8<-- [end:verify]
+
+
+def refuse_sparse_gradients(module: torch.nn.Module) -> None:
+    """``nn.Embedding(sparse=True)`` makes sparse gradients; our buckets are dense: say so at wrap."""
+    for name, m in module.named_modules():
+        if getattr(m, "sparse", False) is True:
+            raise NotImplementedError(
+                f"{name or 'the model'} ({type(m).__name__}) has sparse=True: its gradients are sparse tensors and "
+                "miniddp's buckets hold dense gradients only. Use sparse=False, or torch's DistributedDataParallel.")
 
 
 # --8<-- [start:coalesced]
@@ -85,19 +110,20 @@ def _broadcast_flat(chunk, src, group) -> None:
 # --8<-- [end:coalesced]
 
 
-def sync_module_states(module: torch.nn.Module, group=None, include_buffers: bool = True) -> None:
-    """Make every rank's parameters (and buffers) equal to rank 0's."""
+def sync_module_states(module: torch.nn.Module, group=None, include_buffers: bool = True, src: int = 0) -> None:
+    """Make every rank's parameters (and buffers) equal to group rank ``src``'s (rank 0 at wrap)."""
     tensors = [p for p in module.parameters()]
     if include_buffers:
         tensors += [b for b in module.buffers()]
     if tensors:
-        broadcast_coalesced(tensors, 0, group)
+        broadcast_coalesced(tensors, src, group)
 
 
 # --8<-- [start:broadcast_buffers]
-def broadcast_buffers(module: torch.nn.Module, group=None) -> None:
-    """Before each forward: every rank's buffers become rank 0's (``broadcast_buffers=True``)."""
+def broadcast_buffers(module: torch.nn.Module, group=None, src: int = 0) -> None:
+    """Before each forward: every rank's buffers become rank ``src``'s (``broadcast_buffers=True``;
+    ``src`` is rank 0, or under ``join()`` the highest rank still training)."""
     buffers = [b for b in module.buffers()]
     if buffers and dist.get_world_size(group) > 1:
-        broadcast_coalesced(buffers, 0, group)
+        broadcast_coalesced(buffers, src, group)
 # --8<-- [end:broadcast_buffers]

@@ -21,11 +21,15 @@ How torch differs
     and what counts is the flag's value **during the forward** (that is when the
     reducer is armed), so the forward must sit inside the context; a backward
     inside it whose forward ran outside still synchronises. Hugging Face syncs on
-    the last micro-batch of a window and on the last batch of an epoch.
+    the last micro-batch of a window and on the last batch of an epoch. Putting
+    only the backward inside ``no_sync`` is the most repeated DDP bug
+    (karpathy/build-nanogpt#30, huggingface/accelerate#1726): torch is silent, we
+    warn when ``no_sync()`` is entered while a synced forward waits for its backward.
 """
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 
 
@@ -33,6 +37,12 @@ from contextlib import contextmanager
 @contextmanager
 def no_sync(ddp):
     """Inside: forwards arm no gradient hooks, so their backwards stay local."""
+    reducer = getattr(ddp, "reducer", None)
+    if getattr(reducer, "expect_hooks", False) and not reducer.started:  # armed, backward not run yet
+        warnings.warn("no_sync() was entered after a forward that ran outside it, and that forward's backward has "
+                      "not run yet: the backward will still all-reduce, because DDP decides at the forward. Put the "
+                      "forward inside no_sync(): `with model.no_sync(): model(x).sum().backward()`.",
+                      UserWarning, stacklevel=3)
     previous = ddp.require_backward_grad_sync  # nested no_sync restores correctly
     ddp.require_backward_grad_sync = False
     try:

@@ -25,6 +25,11 @@ How torch differs
     ``queue_callback``, and a one-time ``rebuild_buckets``. We use
     ``register_post_accumulate_grad_hook`` (it receives the *parameter*, whose
     ``.grad`` now holds the accumulated gradient) and keep it in Python.
+    Like torch, only a backward that reaches the parameters' ``AccumulateGrad``
+    nodes syncs: a ``torch.autograd.grad`` call in between (a gradient penalty)
+    computes input gradients and leaves the sync armed for ``loss.backward()``.
+    When a bucket's all-reduce times out or loses a peer, we name the ranks that
+    never reached it (``timeouts.naming_stalled_ranks``); torch's error does not.
 """
 
 from __future__ import annotations
@@ -33,8 +38,10 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import get_gradient_edge
 
 from .bucketing import build_buckets, compute_bucket_assignment
+from .timeouts import naming_stalled_ranks
 from .unused import UnusedParameterError, find_tensors, missing_gradients_message, unused_parameters
 
 
@@ -62,6 +69,9 @@ class Reducer:
         self.warned_no_unused = False  # the "flag set but nothing unused" warning, once
         self.local_unused: list[int] = []  # this backward's parameters without a local gradient
         self.used_since_sync = [False] * len(self.params)  # got a gradient since the last sync (no_sync too)
+        self.divisor = self.world_size  # gradients are divided by this (join: maybe the active ranks only)
+        self.expected = self.world_size  # ranks that must produce each gradient (join: the active ones)
+        self.backwards = 0  # synced backwards so far: names a collective in error messages
         self.hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
         self._check_counter_precision()
 
@@ -82,9 +92,10 @@ class Reducer:
                                           f"{exact[b.buffer.dtype]} ranks; world_size={self.world_size}")
 
     # --8<-- [start:prepare]
-    def prepare_for_backward(self, outputs) -> None:
+    def prepare_for_backward(self, outputs, divisor: int | None = None, expected: int | None = None) -> None:
         """Called at the end of a synced forward: arm the hooks for the coming backward."""
         self.expect_hooks, self.started, self.local_unused = True, False, []
+        self.divisor, self.expected = divisor or self.world_size, expected or self.world_size
         self.ready = [False] * len(self.params)
         self.next_bucket = 0
         for b in self.buckets:
@@ -97,8 +108,20 @@ class Reducer:
     # --8<-- [end:prepare]
 
     def _on_backward_start_hook(self, grad):
-        self._start_backward()
+        if self._reaches_parameters():
+            self._start_backward()
         return grad
+
+    def _reaches_parameters(self) -> bool:
+        """Will the running backward accumulate into a parameter's .grad? ``loss.backward()``: yes;
+        ``torch.autograd.grad(out, x)`` (a gradient penalty): no, and it must not consume the sync."""
+        for p in self.params:
+            try:
+                if torch._C._will_engine_execute_node(get_gradient_edge(p).node):
+                    return True
+            except RuntimeError:  # torch refuses the question for autograd.grad's own inputs: not ours
+                pass
+        return False
 
     def _start_backward(self) -> None:
         if self.started or not self.expect_hooks:
@@ -113,6 +136,9 @@ class Reducer:
     def _make_hook(self, i: int):
         def hook(param):  # post-accumulate-grad hooks receive the parameter itself
             grad = param.grad
+            if grad is not None and grad.layout != torch.strided:
+                raise NotImplementedError(f"parameter {self.names[i]} got a {grad.layout} gradient: miniddp "
+                                          "averages dense gradients only (use sparse=False, or torch's DDP)")
             if grad is not None:
                 self.used_since_sync[i] = True  # counted even inside no_sync, as torch does
             if not self.expect_hooks:  # inside no_sync, or a forward that bypassed DDP
@@ -133,6 +159,12 @@ class Reducer:
 
     # --8<-- [start:mark_ready]
     def _mark_ready(self, i: int, grad, used: bool) -> None:
+        if self.ready[i] and i in self.local_unused:  # the walk said "unused", yet a gradient came
+            raise RuntimeError(
+                f"parameter {self.names[i]} received a gradient, but find_unused_parameters' graph walk from the "
+                "forward's outputs did not reach it. Usual causes: reentrant activation checkpointing "
+                "(torch.utils.checkpoint(..., use_reentrant=True) hides the segment's parameters until backward: "
+                "use use_reentrant=False), or an output object that hides its tensors from the walk.")
         if self.ready[i]:
             raise RuntimeError(
                 f"parameter {self.names[i]} got its gradient twice in one backward (reentrant gradient "
@@ -140,7 +172,7 @@ class Reducer:
                 "torch.utils.checkpoint(..., use_reentrant=False)")
         self.ready[i] = True
         bucket, k = self.where[i]
-        bucket.put(k, grad, self.world_size, self.as_view, used)
+        bucket.put(k, grad, self.divisor, self.as_view, used)
         if self.tracer is not None:
             self.tracer.event("grad ready", param=self.names[i])
         while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
@@ -160,13 +192,15 @@ class Reducer:
                 self.local_unused.append(i)
                 self._mark_unused_ready(i)
         missing, counts, anything_unused = [], [], False
+        self.backwards += 1
         for b in self.buckets:
-            b.work.wait()
+            with naming_stalled_ranks(f"all-reduce of bucket {b.index} in backward #{self.backwards}", self.group):
+                b.work.wait()
             used = b.used.tolist()
             for k, p in enumerate(b.params):
                 c = round(used[k])  # ranks that produced this gradient
-                anything_unused |= c < self.world_size
-                if c < self.world_size and not self.find_unused:
+                anything_unused |= c < self.expected
+                if c < self.expected and not self.find_unused:
                     missing.append(b.names[k])
                     counts.append(c)
                 if c == 0:  # unused on every rank: .grad stays as it was
@@ -182,7 +216,9 @@ class Reducer:
             self.tracer.event("backward end")
         if missing:
             local = [self.names[i] for i in self.local_unused]
-            raise UnusedParameterError(missing_gradients_message(missing, counts, self.world_size, local), missing)
+            frozen = [self.names[i] for i in self.local_unused if not self.params[i].requires_grad]
+            raise UnusedParameterError(missing_gradients_message(missing, counts, self.expected, local, frozen),
+                                       missing)
         if self.find_unused and not anything_unused and not self.warned_no_unused:
             self.warned_no_unused = True  # judged from the counts: nothing unused on ANY rank
             warnings.warn("find_unused_parameters=True but no parameter was unused in this backward on any rank: "
@@ -192,10 +228,8 @@ class Reducer:
     # --8<-- [end:finalize]
 
     # --8<-- [start:rebuild]
-    def rebuild_if_due(self) -> bool:
+    def rebuild(self) -> None:
         """Once, before the second synced forward: buckets in the order gradients arrived."""
-        if not self.rebuild_due or not self.buckets:
-            return False
         self.rebuild_due, self.rebuilt = False, True
         arrived = list(dict.fromkeys(self.ready_order))
         order = arrived + [i for i in range(len(self.params)) if i not in set(arrived)]
@@ -204,7 +238,6 @@ class Reducer:
         order = agreed.tolist()
         assignment = compute_bucket_assignment([self.params[i] for i in order], self.size_limits)
         self._install([[order[j] for j in bucket] for bucket in assignment])
-        return True
     # --8<-- [end:rebuild]
 
     @property

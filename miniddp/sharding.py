@@ -32,6 +32,7 @@ How torch differs
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Iterator, Sized
 
 import torch
@@ -91,6 +92,7 @@ class ShardSampler(Sampler[int]):
         self.seed = seed  # must be the same on every rank, or shards overlap
         self.drop_last = drop_last  # trim the tail instead of padding it
         self.epoch = 0  # set_epoch() changes it; part of the shuffle's seed
+        self.iterated_epoch: int | None = None  # the epoch of the last __iter__: a repeat means no set_epoch
         self.num_samples = self._num_samples(len(dataset))  # indices this rank yields
         self.total_size = self.num_samples * num_replicas  # indices all ranks yield together
 
@@ -104,6 +106,7 @@ class ShardSampler(Sampler[int]):
 
     # --8<-- [start:iter]
     def __iter__(self) -> Iterator[int]:
+        self._warn_if_set_epoch_was_forgotten()
         n = len(self.dataset)
         if self.shuffle:  # the same permutation on every rank: same seed, same epoch
             g = torch.Generator()
@@ -126,6 +129,14 @@ class ShardSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return self.num_samples
+
+    def _warn_if_set_epoch_was_forgotten(self) -> None:
+        """A second pass with the same epoch replays the same order (torch's sampler stays silent)."""
+        if self.shuffle and self.iterated_epoch == self.epoch:
+            warnings.warn(f"ShardSampler is iterated again with epoch={self.epoch}: every epoch will see the same "
+                          "order. Call sampler.set_epoch(epoch) at the start of each epoch, on every rank.",
+                          UserWarning, stacklevel=3)
+        self.iterated_epoch = self.epoch
 
     # --8<-- [start:set_epoch]
     def set_epoch(self, epoch: int) -> None:

@@ -25,12 +25,19 @@ How torch differs
     (``ProcessGroupNCCL.cpp``). ``torch.distributed.monitored_barrier`` exists but
     is gloo-only and only rank 0 learns who is missing; ours uses the process
     group's key-value store, so every rank can name the missing ones, on any backend.
+    ``naming_stalled_ranks`` does the same *after* a collective failed: the
+    ranks whose collective timed out (or lost a peer) check in through the store,
+    and those that never do are the stalled or dead ones. torch's gloo error
+    ("Timed out waiting 20000ms for recv") names nobody.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import socket
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -130,3 +137,62 @@ def monitored_barrier(timeout=60, store=None, group=None) -> None:
             missing,
         )
 # --8<-- [end:monitored_barrier]
+
+
+# Words in the errors gloo and NCCL raise when a peer is late or gone (a timeout, a closed socket).
+_COMM_FAILURE = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe")
+
+
+def announce_process(group=None) -> None:
+    """Write ``host:pid`` of this rank to the store, so an error elsewhere can point at it (``py-spy dump``)."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"miniddp/process/{dist.get_rank()}", f"{socket.gethostname()}:{os.getpid()}")
+
+
+def _where(store, rank: int) -> str:
+    try:
+        host, pid = store.get(f"miniddp/process/{rank}").decode().rsplit(":", 1)
+        return f"rank {rank} (pid {pid} on {host})"
+    except Exception:  # not announced, or the store is gone with its host
+        return f"rank {rank}"
+
+
+# --8<-- [start:naming_stalled_ranks]
+@contextmanager
+def naming_stalled_ranks(what: str, group=None, grace: float = 2.0):
+    """Turn a collective's timeout or lost peer into ``StalledRankError`` naming the ranks that never came.
+
+    ``what`` names the collective and must be the same string on every rank
+    (e.g. "bucket all-reduce of backward #12"). A rank whose collective failed
+    writes ``stall/<what>/<rank>``, then gives the others ``grace`` seconds to
+    do the same: whoever has not written by then was not waiting in this
+    collective (stalled elsewhere, or dead).
+    """
+    try:
+        yield
+    except RuntimeError as err:
+        if isinstance(err, StalledRankError) or not any(w in str(err).lower() for w in _COMM_FAILURE):
+            raise
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+            me = dist.get_rank()
+            store.set(f"stall/{what}/{me}", "waited")
+            deadline = time.monotonic() + grace
+            while True:
+                missing = [r for r in ranks if not store.check([f"stall/{what}/{r}"])]
+                if not missing or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        except Exception:  # the store is unreachable (its host died): keep the original error
+            raise err from None
+        if not missing:
+            raise StalledRankError(
+                f"rank {me} reached the {what} after the other ranks had given up waiting for it: this rank was "
+                "the slow one (a long save, evaluation or data loading on this rank alone?)", []) from err
+        names = ", ".join(_where(store, r) for r in missing)
+        raise StalledRankError(
+            f"{names} never reached the {what}: stalled in other code, or dead. Ranks "
+            f"{sorted(set(ranks) - set(missing))} were waiting. Look at what it was doing (`py-spy dump --pid PID` "
+            f"on its host, its log); the original error follows.\n{err}", missing) from err
+# --8<-- [end:naming_stalled_ranks]

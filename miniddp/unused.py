@@ -29,6 +29,8 @@ How torch differs
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 
@@ -41,16 +43,22 @@ class UnusedParameterError(RuntimeError):
 
 
 def find_tensors(obj) -> list[torch.Tensor]:
-    """Every tensor in a forward's output: a tensor, or lists/tuples/dicts/dataclass-like of them."""
+    """Every tensor in a forward's output: a tensor, or lists/tuples/dicts/dataclasses/objects of them."""
     if isinstance(obj, torch.Tensor):
         return [obj]
-    if isinstance(obj, (list, tuple)):
+    if isinstance(obj, (list, tuple, set, frozenset)):  # named tuples too
         return [t for item in obj for t in find_tensors(item)]
-    if isinstance(obj, dict):
+    if isinstance(obj, dict):  # Hugging Face's ModelOutput is an OrderedDict
         return [t for item in obj.values() for t in find_tensors(item)]
-    if hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module):  # e.g. a ModelOutput
-        return [t for item in vars(obj).values() for t in find_tensors(item)]
-    return []
+    if isinstance(obj, torch.nn.Module):
+        return []
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # also @dataclass(slots=True)
+        return [t for f in dataclasses.fields(obj) for t in find_tensors(getattr(obj, f.name, None))]
+    fields = dict(getattr(obj, "__dict__", {}))  # any other object: its attributes and its slots
+    for cls in type(obj).__mro__:
+        for name in getattr(cls, "__slots__", ()):
+            fields.setdefault(name, getattr(obj, name, None))
+    return [t for item in fields.values() for t in find_tensors(item)]
 
 
 # --8<-- [start:walk]
@@ -73,8 +81,12 @@ def unused_parameters(outputs, params: list[torch.Tensor]) -> list[int]:
 # --8<-- [end:walk]
 
 
-def missing_gradients_message(names: list[str], counts: list[int], world_size: int, local: list[str]) -> str:
+def missing_gradients_message(names: list[str], counts: list[int], world_size: int, local: list[str],
+                              frozen: list[str] = ()) -> str:
     """The error raised on every rank when a gradient is missing with find_unused_parameters=False."""
+    if frozen:  # requires_grad switched off after wrapping: the buckets still wait for these
+        return (f"requires_grad was set to False after wrapping for: {', '.join(frozen)}. DistributedDataParallel "
+                "fixes its buckets when it wraps the model; freeze parameters before wrapping (or wrap again).")
     lines = [f"  {n}: gradient on {c} of {world_size} rank(s)" for n, c in zip(names, counts)]
     here = f"On this rank, no gradient for: {', '.join(local)}.\n" if local else ""
     return (

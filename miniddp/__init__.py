@@ -7,6 +7,7 @@ re-exports the public names so that ``import miniddp`` is all a user needs.
 from .backend import DEVICE_BACKENDS, device_for_local_rank, select_backend
 from .env import DistEnv, init_distributed, parse_slurm_nodelist
 from .timeouts import DEFAULT_TIMEOUT_S, StalledRankError, as_timedelta, monitored_barrier
+from .desync import CollectiveMismatchError
 from .bucketing import compute_bucket_assignment
 from .ddp import DistributedDataParallel
 from .no_sync import accumulation_windows, no_sync, should_sync
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DEVICE_BACKENDS",
+    "CollectiveMismatchError",
     "DEFAULT_TIMEOUT_S",
     "DistEnv",
     "DistributedDataParallel",

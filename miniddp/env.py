@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from . import desync  # MINIDDP_DEBUG=collectives: the collective-desync detector
 from .backend import default_device_kind, device_for_local_rank, select_backend
 from .timeouts import DEFAULT_TIMEOUT_S, as_timedelta
 
@@ -219,7 +220,7 @@ def init_distributed(backend: str = "auto", timeout=DEFAULT_TIMEOUT_S, env: Dist
     device = device_for_local_rank(env.local_rank, kind)
     name = select_backend(device, backend)
     if dist.is_initialized():  # already joined (e.g. a notebook cell run twice)
-        return replace(env, backend=dist.get_backend(), device=device)
+        return replace(env, backend=desync.backend_name(), device=device)
     kwargs = dict(backend=name, rank=env.rank, world_size=env.world_size, timeout=as_timedelta(timeout))
     if env.world_size == 1:
         kwargs["store"] = dist.HashStore()  # nothing to meet: no port, no network
@@ -229,6 +230,9 @@ def init_distributed(backend: str = "auto", timeout=DEFAULT_TIMEOUT_S, env: Dist
         kwargs["init_method"] = f"tcp://{env.master_addr}:{env.master_port}"
     if name == "nccl":
         kwargs["device_id"] = device  # binds the communicator to our GPU eagerly
+    if desync.enabled():  # MINIDDP_DEBUG=collectives: every collective is compared across ranks first
+        kwargs["backend"] = desync.register(name)
+        kwargs.pop("device_id", None)  # a Python group binds no device: NCCL connects at its first collective
     dist.init_process_group(**kwargs)
     return replace(env, backend=name, device=device)
 # --8<-- [end:init_distributed]

@@ -36,6 +36,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .timeouts import naming_stalled_ranks
+
 MANIFEST = "manifest.json"  # written last: its presence marks a complete checkpoint
 
 
@@ -84,12 +86,12 @@ def save_checkpoint(output_dir, step: int, states: dict, rank: int, save_total_l
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a crashed save
         tmp.mkdir(parents=True)
-    dist.barrier()
+    _barrier(f"barrier before writing checkpoint-{step}")
     torch.save(rng_state(), tmp / f"rng_state_{rank}.pt")  # each rank's own random streams
     if rank == 0:
         for name, obj in states.items():
             torch.save(obj, tmp / f"{name}.pt")
-    dist.barrier()  # every file is written
+    _barrier(f"barrier after writing checkpoint-{step}")  # every file is written
     if rank == 0:
         files = sorted(p.name for p in tmp.iterdir())
         manifest = {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in files}
@@ -100,9 +102,15 @@ def save_checkpoint(output_dir, step: int, states: dict, rank: int, save_total_l
         if save_total_limit:
             for old in checkpoints(output_dir)[:-save_total_limit]:
                 shutil.rmtree(old)
-    dist.barrier()
+    _barrier(f"barrier after publishing checkpoint-{step}")  # nobody reads it before it is whole
     return final
 # --8<-- [end:save]
+
+
+def _barrier(what: str) -> None:
+    """A barrier whose timeout names the rank still writing (a slow disk) instead of "Timed out"."""
+    with naming_stalled_ranks(what):
+        dist.barrier()
 
 
 # --8<-- [start:load]

@@ -107,6 +107,7 @@ class Reducer:
                 t.register_hook(self._on_backward_start_hook)
     # --8<-- [end:prepare]
 
+    # --8<-- [start:reaches]
     def _on_backward_start_hook(self, grad):
         if self._reaches_parameters():
             self._start_backward()
@@ -122,6 +123,7 @@ class Reducer:
             except RuntimeError:  # torch refuses the question for autograd.grad's own inputs: not ours
                 pass
         return False
+    # --8<-- [end:reaches]
 
     def _start_backward(self) -> None:
         if self.started or not self.expect_hooks:

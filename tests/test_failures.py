@@ -350,3 +350,21 @@ def test_other_ranks_never_see_a_half_written_checkpoint(tmp_path):
     assert naive[1] != "read a complete checkpoint"  # the race: rank 1 finds nothing, or half a file
     careful = run_on_ranks(_save_then_read, 2, args=(str(tmp_path), True), timeout=60)
     assert careful == ["read a complete checkpoint"] * 2
+
+
+def _slow_save(rank, world_size, out):
+    state = {"model": MODELS["mlp"]().state_dict()}
+    if rank == 0:  # rank 0 writes for longer than the 2 s timeout
+        real_save = torch.save
+        torch.save = lambda obj, f, *a, **k: (time.sleep(2.5), real_save(obj, f, *a, **k))[1]
+    try:
+        save_checkpoint(out, 1, state, rank)
+    except miniddp.StalledRankError as err:
+        return err.missing, str(err)
+
+
+def test_a_save_longer_than_the_timeout_names_the_saving_rank(tmp_path):
+    (late_missing, late), (missing, message) = run_on_ranks(_slow_save, 2, args=(str(tmp_path),), pg_timeout=2,
+                                                            timeout=60)
+    assert missing == [0] and "rank 0 never reached the barrier after writing checkpoint-1" in message, message
+    assert late_missing == [] and "this rank was the slow one" in late

@@ -51,7 +51,7 @@ class StalledRankError(RuntimeError):
 
     def __init__(self, message: str, missing: list[int]):
         super().__init__(message)
-        self.missing = missing  # global ranks that had not reached the barrier
+        self.missing = missing  # global ranks to look at: those that never arrived (else the late ones)
 
 
 # --8<-- [start:as_timedelta]
@@ -164,9 +164,10 @@ def naming_stalled_ranks(what: str, group=None, grace: float = 2.0):
 
     ``what`` names the collective and must be the same string on every rank
     (e.g. "bucket all-reduce of backward #12"). A rank whose collective failed
-    writes ``stall/<what>/<rank>``, then gives the others ``grace`` seconds to
-    do the same: whoever has not written by then was not waiting in this
-    collective (stalled elsewhere, or dead).
+    writes the time to ``stall/<what>/<rank>``, then gives the others ``grace``
+    seconds to do the same: whoever has not written by then was not waiting in
+    this collective (stalled elsewhere, or dead); whoever wrote much later than
+    the first was the slow one; if all wrote at once, the transport failed.
     """
     try:
         yield
@@ -176,23 +177,28 @@ def naming_stalled_ranks(what: str, group=None, grace: float = 2.0):
         try:
             store = dist.distributed_c10d._get_default_store()
             ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-            me = dist.get_rank()
-            store.set(f"stall/{what}/{me}", "waited")
+            store.set(f"stall/{what}/{dist.get_rank()}", repr(time.time()))
             deadline = time.monotonic() + grace
             while True:
                 missing = [r for r in ranks if not store.check([f"stall/{what}/{r}"])]
                 if not missing or time.monotonic() > deadline:
                     break
                 time.sleep(0.05)
+            posted = {r: float(store.get(f"stall/{what}/{r}")) for r in ranks if r not in missing}
         except Exception:  # the store is unreachable (its host died): keep the original error
             raise err from None
-        if not missing:
-            raise StalledRankError(
-                f"rank {me} reached the {what} after the other ranks had given up waiting for it: this rank was "
-                "the slow one (a long save, evaluation or data loading on this rank alone?)", []) from err
-        names = ", ".join(_where(store, r) for r in missing)
-        raise StalledRankError(
-            f"{names} never reached the {what}: stalled in other code, or dead. Ranks "
-            f"{sorted(set(ranks) - set(missing))} were waiting. Look at what it was doing (`py-spy dump --pid PID` "
-            f"on its host, its log); the original error follows.\n{err}", missing) from err
+        first = min(posted.values())
+        late = [r for r, t in posted.items() if t - first > grace / 2]  # came after the others gave up
+        if missing:
+            names = ", ".join(_where(store, r) for r in missing)
+            message = (f"{names} never reached the {what}: stalled in other code, or dead. Ranks {sorted(posted)} "
+                       "were waiting. Look at what it was doing (`py-spy dump --pid PID` on its host, its log)")
+        elif late:
+            message = (f"{', '.join(_where(store, r) for r in late)} reached the {what} "
+                       f"{max(posted[r] for r in late) - first:.1f} s after the other ranks had given up waiting: "
+                       "it was the slow one (a long save, evaluation or data loading on that rank alone?)")
+        else:  # everyone was there at once: the transport failed, not a rank
+            message = (f"every rank was waiting in the {what} and it still failed: the network or the backend, "
+                       "not a stalled rank (NCCL_DEBUG=INFO; the interfaces: GLOO/NCCL_SOCKET_IFNAME)")
+        raise StalledRankError(f"{message}; the original error follows.\n{err}", missing or late) from err
 # --8<-- [end:naming_stalled_ranks]

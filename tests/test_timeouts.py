@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import miniddp
 from miniddp.testing import RankError, backend_params, run_on_ranks
-from miniddp.timeouts import monitored_barrier, nccl_watchdog_env
+from miniddp.timeouts import monitored_barrier, naming_stalled_ranks, nccl_watchdog_env
 
 
 @pytest.mark.parametrize("value, seconds", [(1800, 1800), (2.5, 2.5), (timedelta(minutes=2), 120)])
@@ -102,3 +102,16 @@ def test_monitored_barrier_passes_when_everyone_arrives():
 def test_monitored_barrier_validates_its_timeout():
     with pytest.raises(ValueError, match="timeout=-1"):
         monitored_barrier(timeout=-1)  # refused before it touches any store
+
+
+def _every_rank_fails_in_the_same_collective(rank, world_size):
+    try:
+        with naming_stalled_ranks("all-reduce of test #1"):
+            raise RuntimeError("Connection reset by peer (simulated: the network failed under every rank)")
+    except miniddp.StalledRankError as err:
+        return err.missing, str(err)
+
+
+def test_when_every_rank_was_waiting_the_transport_is_blamed_not_a_rank():
+    for missing, message in run_on_ranks(_every_rank_fails_in_the_same_collective, 3, timeout=60):
+        assert missing == [] and "every rank was waiting in the all-reduce of test #1" in message, message

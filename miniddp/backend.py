@@ -27,6 +27,8 @@ How torch differs
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -138,13 +140,15 @@ def select_backend(device=None, requested: str = "auto") -> str:
 
 
 # --8<-- [start:device_for_local_rank]
-def device_for_local_rank(local_rank: int, kind: str | None = None) -> torch.device:
+def device_for_local_rank(local_rank: int, kind: str | None = None, share: bool = False) -> torch.device:
     """The device process ``local_rank`` owns on its node, made current.
 
     One process per accelerator is the DDP layout: local rank ``i`` drives
     ``cuda:i``. Forgetting ``torch.cuda.set_device`` is a classic bug: every
     process then allocates on ``cuda:0`` and NCCL reports "Duplicate GPU
-    detected" (or the node runs out of memory on GPU 0).
+    detected" (or the node runs out of memory on GPU 0). ``share=True`` (gloo,
+    which copies through host memory) lets more processes than devices take
+    turns: local rank ``i`` gets device ``i % count``, with a warning.
     """
     kind = kind or default_device_kind()
     if kind == "cpu":
@@ -153,6 +157,10 @@ def device_for_local_rank(local_rank: int, kind: str | None = None) -> torch.dev
     if module is None or not module.is_available():
         raise RuntimeError(f"device kind {kind!r} is not available in this process")
     count = module.device_count()
+    if share and count and local_rank >= count:
+        warnings.warn(f"LOCAL_RANK={local_rank} shares {kind}:{local_rank % count} with another process "
+                      f"(only {count} visible): fine for gloo, slower than one device each", stacklevel=2)
+        local_rank %= count
     if not 0 <= local_rank < count:
         raise RuntimeError(
             f"LOCAL_RANK={local_rank} but only {count} {kind} device(s) are visible; launch at most "

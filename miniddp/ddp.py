@@ -31,6 +31,8 @@ How torch differs
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -52,7 +54,7 @@ class DistributedDataParallel(torch.nn.Module):
         if not dist.is_initialized():
             raise RuntimeError("DistributedDataParallel needs a process group: call "
                                "miniddp.init_distributed() (or torch.distributed.init_process_group) first")
-        _check_device_ids(module, device_ids)
+        self.input_device = _check_device_ids(module, device_ids)  # forward moves inputs here (torch: the same)
         self.module = module  # the model; its state_dict is what you save
         self.process_group = process_group or dist.group.WORLD  # the ranks we average with
         self.broadcast_buffers = broadcast_buffers  # copy rank 0's buffers before every forward
@@ -76,6 +78,8 @@ class DistributedDataParallel(torch.nn.Module):
 
     # --8<-- [start:forward]
     def forward(self, *args, **kwargs):
+        if self.input_device is not None:  # device_ids=[i]: CPU batches go to cuda:i, as torch DDP does
+            args, kwargs = move_to((args, kwargs), self.input_device)
         if not torch.is_grad_enabled():  # evaluation: no buffer broadcast, no rebuild, nothing to sync
             return self.module(*args, **kwargs)
         self._check_requires_grad_unchanged()
@@ -132,9 +136,25 @@ class DistributedDataParallel(torch.nn.Module):
         return self.reducer.bucket_names
 
 
-def _check_device_ids(module, device_ids) -> None:
+def move_to(obj, device):
+    """``obj`` with every tensor inside (tuples, lists, dicts, dataclasses) moved to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple
+        return type(obj)(*(move_to(x, device) for x in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(move_to(x, device) for x in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, move_to(v, device)) for k, v in obj.items())
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: move_to(getattr(obj, f.name), device)
+                                           for f in dataclasses.fields(obj) if f.init})
+    return obj
+
+
+def _check_device_ids(module, device_ids) -> torch.device | None:
     if device_ids is None:
-        return
+        return None
     if len(device_ids) != 1:
         raise ValueError(f"device_ids={device_ids!r}: one process drives one device; pass [local_rank]")
     expected = torch.device(device_ids[0]) if not isinstance(device_ids[0], int) else torch.device("cuda", device_ids[0])
@@ -142,3 +162,4 @@ def _check_device_ids(module, device_ids) -> None:
         if p.device != expected:
             raise ValueError(f"device_ids={device_ids!r} but parameter {name} is on {p.device}; "
                              f"move the model first: model.to({str(expected)!r})")
+    return expected

@@ -206,19 +206,22 @@ def parse_slurm_tasks_per_node(spec: str) -> list[int]:
 
 
 # --8<-- [start:init_distributed]
-def init_distributed(backend: str = "auto", timeout=DEFAULT_TIMEOUT_S, env: DistEnv | None = None) -> DistEnv:
+def init_distributed(backend: str = "auto", timeout=DEFAULT_TIMEOUT_S, env: DistEnv | None = None,
+                     device: str | None = None) -> DistEnv:
     """Join the job: read the environment, pick device and backend, init the process group.
 
     Returns the ``DistEnv`` with ``backend`` and ``device`` filled in. A single
     process (no launcher) gets a world of one on an in-memory store, so the same
-    training script runs with and without torchrun.
+    training script runs with and without torchrun. ``device`` is a device kind
+    ("cpu", "cuda"...); by default the machine's accelerator, whatever the
+    backend: ``backend="gloo"`` on a GPU machine keeps CUDA tensors (gloo moves
+    them through host memory), as Hugging Face does. ``device="cpu"`` (Hugging
+    Face's ``use_cpu``) trains on the CPU.
     """
     env = env or DistEnv.from_environ()
-    kind = default_device_kind()
-    if backend == "gloo":
-        kind = "cpu"  # gloo on a GPU machine: the user asked for CPU training
-    device = device_for_local_rank(env.local_rank, kind)
-    name = select_backend(device, backend)
+    kind = device or default_device_kind()
+    name = select_backend(kind, backend)
+    device = device_for_local_rank(env.local_rank, kind, share=name == "gloo")
     if dist.is_initialized():  # already joined (e.g. a notebook cell run twice)
         return replace(env, backend=desync.backend_name(), device=device)
     kwargs = dict(backend=name, rank=env.rank, world_size=env.world_size, timeout=as_timedelta(timeout))

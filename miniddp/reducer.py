@@ -198,9 +198,11 @@ class Reducer:
         for b in self.buckets:
             with naming_stalled_ranks(f"all-reduce of bucket {b.index} in backward #{self.backwards}", self.group):
                 b.work.wait()
-            used = b.used.tolist()
+        # every bucket's used-counters in one host copy: on a GPU each .tolist() is a sync point
+        used = iter(torch.cat([b.used.to(torch.float64) for b in self.buckets]).tolist())
+        for b in self.buckets:
             for k, p in enumerate(b.params):
-                c = round(used[k])  # ranks that produced this gradient
+                c = round(next(used))  # ranks that produced this gradient
                 anything_unused |= c < self.expected
                 if c < self.expected and not self.find_unused:
                     missing.append(b.names[k])

@@ -117,3 +117,14 @@ def test_selected_backend_runs_a_collective(backend):
         assert chosen == active == backend
         assert device == ("cpu" if backend == "gloo" else f"cuda:{rank}")
         assert total == 3.0  # 1 + 2 from the two ranks
+
+
+def test_gloo_may_share_a_device_nccl_may_not(monkeypatch):
+    # a one-GPU machine, faked: two gloo ranks take turns on cuda:0; an NCCL rank 1 has no GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
+    with pytest.warns(UserWarning, match="shares cuda:0"):
+        assert miniddp.device_for_local_rank(1, "cuda", share=True) == torch.device("cuda", 0)
+    with pytest.raises(RuntimeError, match="LOCAL_RANK=1 but only 1 cuda device"):
+        miniddp.device_for_local_rank(1, "cuda")

@@ -108,3 +108,21 @@ def _init_alone(rank, world_size):
 def test_init_distributed_without_a_launcher_is_a_world_of_one():
     [(source, world_size, backend, values, rank)] = run_on_ranks(_init_alone, 1, init=False, timeout=30)
     assert (source, world_size, backend, values, rank) == ("single", 1, "gloo", [1.0, 1.0, 1.0], 0)
+
+
+def _gloo_device(rank, world_size, device):
+    env = miniddp.init_distributed(backend="gloo", timeout=60, device=device)
+    t = torch.ones(2, device=env.device)
+    dist.all_reduce(t)  # gloo moves CUDA tensors through host memory
+    return str(env.device), env.backend, t.tolist()
+
+
+def test_use_cpu_trains_on_the_cpu_with_gloo():
+    assert run_on_ranks(_gloo_device, 2, args=("cpu",), init=False, timeout=60) == [("cpu", "gloo", [2.0, 2.0])] * 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gloo_on_a_gpu_machine_keeps_cuda_tensors_as_hugging_face_does():
+    # two ranks share one GPU if need be: gloo copies through host memory (NCCL could not)
+    for device, backend, total in run_on_ranks(_gloo_device, 2, args=(None,), init=False, timeout=120):
+        assert device.startswith("cuda") and backend == "gloo" and total == [2.0, 2.0]

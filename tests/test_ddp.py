@@ -229,3 +229,28 @@ def test_bad_arguments_are_named():
     assert len(errors) == 4
     assert "bucket_cap_mb=0" in errors[0] and "bucket_cap_mb=-1" in errors[1]
     assert "device_ids" in errors[2] and "requires_grad" in errors[3]
+
+
+def _inputs_follow_device_ids(rank, world_size):
+    torch.cuda.set_device(0)  # one GPU, two gloo ranks
+    model = MODELS["mlp"]().cuda()
+    ddp = miniddp.DistributedDataParallel(model, device_ids=[0])
+    x = {"x": torch.randn(6, 8)}  # CPU inputs, nested in a dict, as a data loader yields them
+    out = ddp(**x)
+    F.mse_loss(out, torch.zeros(6, 4, device="cuda")).backward()
+    return str(out.device), str(model.fc1.weight.grad.device)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_inputs_move_to_the_device_in_device_ids_as_in_torch():
+    assert run_on_ranks(_inputs_follow_device_ids, 2, timeout=120) == [("cuda:0", "cuda:0")] * 2
+
+
+def test_move_to_keeps_the_structure():
+    from collections import namedtuple
+
+    Pair = namedtuple("Pair", "a b")
+    batch = {"ids": torch.ones(2), "pair": Pair(torch.zeros(1), [torch.ones(1), 3]), "name": "x"}
+    moved = miniddp.ddp.move_to(batch, torch.device("cpu"))
+    assert type(moved["pair"]) is Pair and moved["pair"].b[1] == 3 and moved["name"] == "x"
+    assert torch.equal(moved["ids"], batch["ids"])

@@ -8,8 +8,10 @@ reads its own shard of a synthetic regression task (``ShardSampler``), and after
 every backward averages the gradients with one all-reduce per parameter
 (``average_gradients``). Because every rank starts from the same weights and
 applies the same averaged gradient, the copies stay identical: the demo checks
-that at the end, and prints the loss on rank 0. The trainer (``miniddp.train``)
-replaces this once the full ``DistributedDataParallel`` exists.
+that at the end, and prints the loss on rank 0. This is DDP with nothing hidden
+and nothing optimised; ``miniddp.DistributedDataParallel`` does the same with
+buckets that overlap the backward (``examples/ddp_by_hand.py`` uses it), and
+``miniddp.train`` adds everything a training run needs.
 """
 
 from __future__ import annotations

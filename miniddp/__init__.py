@@ -14,6 +14,7 @@ from .no_sync import accumulation_windows, no_sync, should_sync
 from .sharding import ShardSampler
 from .averaging import average_gradients, ring_all_reduce
 from .config import TrainingConfig
+from .batches import EvalPrediction
 from .trainer import Trainer
 
 __version__ = "0.1.0"
@@ -24,6 +25,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "DistEnv",
     "DistributedDataParallel",
+    "EvalPrediction",
     "ShardSampler",
     "StalledRankError",
     "Trainer",

@@ -8,7 +8,8 @@ What
     renames it into place, so a crash mid-save leaves the previous checkpoint
     intact and never a half-written one under the real name. ``load_checkpoint``
     refuses a checkpoint whose manifest is missing or does not match, and loads
-    every file with ``torch.load(weights_only=True)`` (no arbitrary pickles).
+    every file with ``torch.load(weights_only=True)`` (no arbitrary pickles);
+    ``load_checkpoint_on_every_rank`` makes one rank's failure every rank's error.
 
 Why
     Long jobs die: preemption, a node failure, a timeout. Resuming must give the
@@ -43,6 +44,13 @@ MANIFEST = "manifest.json"  # written last: its presence marks a complete checkp
 
 class CorruptCheckpointError(RuntimeError):
     """The checkpoint is incomplete or its files do not match its manifest."""
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+    """The path does not exist, or is a directory that holds no checkpoint."""
+
+
+CHECKPOINT_ERRORS = (CheckpointNotFoundError, CorruptCheckpointError)  # what resuming raises for a bad path
 
 
 def _sha256(path: Path) -> str:
@@ -117,9 +125,7 @@ def _barrier(what: str) -> None:
 def load_checkpoint(path, rank: int) -> dict:
     """Verify ``path`` against its manifest and load it (weights_only). Returns name -> object."""
     path = Path(path)
-    if not (path / MANIFEST).exists():
-        raise CorruptCheckpointError(f"{path} has no {MANIFEST}: it is incomplete (a save was interrupted) or not "
-                                     "a miniddp checkpoint. Resume from an earlier checkpoint-<step> directory.")
+    _check_is_checkpoint(path)
     manifest = json.loads((path / MANIFEST).read_text())["files"]
     for name, want in manifest.items():
         f = path / name
@@ -134,3 +140,39 @@ def load_checkpoint(path, rank: int) -> dict:
         loaded[key] = torch.load(path / name, map_location="cpu", weights_only=True)
     return loaded
 # --8<-- [end:load]
+
+
+def _check_is_checkpoint(path: Path) -> None:
+    """A clear error for every way ``path`` can fail to be a complete checkpoint."""
+    if not path.is_dir():
+        what = "is a file, not a checkpoint-<step> directory" if path.exists() else "does not exist"
+        raise CheckpointNotFoundError(f"resume_from_checkpoint: {path} {what}")
+    if (path / MANIFEST).exists():
+        return
+    inside = checkpoints(path)
+    if inside:  # an output_dir, not one of its checkpoints
+        raise CheckpointNotFoundError(f"resume_from_checkpoint: {path} holds checkpoints, not one: pass "
+                                      f"{inside[-1]} (the newest), or 'latest' with output_dir {path}")
+    if not any(path.glob("*.pt")):
+        raise CheckpointNotFoundError(f"resume_from_checkpoint: {path} holds no checkpoint (no {MANIFEST}, "
+                                      "no .pt files): pass a checkpoint-<step> directory, or 'latest'")
+    raise CorruptCheckpointError(f"{path} has no {MANIFEST}: it is incomplete (a save was interrupted) or not "
+                                 "a miniddp checkpoint. Resume from an earlier checkpoint-<step> directory.")
+
+
+def load_checkpoint_on_every_rank(path, rank: int) -> dict:
+    """Every rank calls this. If any rank cannot load ``path``, every rank raises the first such
+    rank's error (one all-gather), so a launcher prints it once instead of one rank failing alone."""
+    try:
+        loaded, problem = load_checkpoint(path, rank), None
+    except CHECKPOINT_ERRORS as err:
+        loaded, problem = None, err
+    problems = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, None if problem is None else (type(problem).__name__, str(problem)))
+    first = next((r for r, p in enumerate(problems) if p is not None), None)
+    if first is None:
+        return loaded
+    if first == rank:
+        raise problem
+    kind, message = problems[first]
+    raise {e.__name__: e for e in CHECKPOINT_ERRORS}[kind](f"rank {first}: {message}")

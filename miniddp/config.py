@@ -23,11 +23,17 @@ How Hugging Face differs
     here they default to DDP's own defaults. Transformers' docs warn against
     combining either with ``gradient_checkpointing``; we refuse the combination.
     ``mixed_precision`` is Accelerate's name (``no``/``bf16``/``fp16``).
+    ``per_device_eval_batch_size`` defaults to 256 (8 there): the built-in
+    evaluation sets are tiny. ``loss_normalization``, ``model``, ``dataset_size``,
+    ``eval_size`` and ``dropout`` choose the built-in task (``tasks.py``); the
+    Trainer itself never reads them. Each field's comment is its ``--help`` line.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
+import re
 from dataclasses import asdict, dataclass, fields
 
 from .backend import valid_backend_names
@@ -38,33 +44,42 @@ LOSS_NORMALIZATION = ("per_batch", "global_tokens")
 MODELS = ("mlp", "bn", "lm")
 
 
+def choices() -> dict[str, list[str]]:
+    """The fields that take one of a few names, and those names (validation and ``--help`` share them)."""
+    return {"ddp_backend": valid_backend_names(), "mixed_precision": list(MIXED_PRECISION),
+            "loss_normalization": list(LOSS_NORMALIZATION), "model": list(MODELS)}
+
+
 @dataclass
 class TrainingConfig:
-    output_dir: str = "miniddp-output"  # metrics.json, final_model.pt, checkpoint-<step>/
+    # Each field's trailing comment is also its line in `miniddp-train --help` (see field_help).
+    output_dir: str = "miniddp-output"  # where metrics.json, final_model.pt and checkpoint-<step>/ go
     per_device_train_batch_size: int = 8  # samples per rank per micro-batch
-    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step (no_sync on all but the last)
-    learning_rate: float = 1e-3  # AdamW, linearly decayed to 0 over the run
-    max_steps: int = -1  # optimizer steps; -1: use num_train_epochs
-    num_train_epochs: float = 3.0  # used when max_steps is -1
-    max_grad_norm: float = 1.0  # clip after the gradients are averaged; 0 disables
-    weight_decay: float = 0.0  # AdamW's
-    seed: int = 42  # model init, data shuffling (ShardSampler seed)
+    per_device_eval_batch_size: int = 256  # samples per rank per evaluation batch
+    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step (only the last one all-reduces)
+    learning_rate: float = 1e-3  # AdamW's, decayed linearly to 0 over the run
+    max_steps: int = -1  # optimizer steps to train; -1: train for num_train_epochs
+    num_train_epochs: float = 3.0  # passes over the training set, when max_steps is -1
+    max_grad_norm: float = 1.0  # clip the gradient norm after averaging; 0 disables
+    weight_decay: float = 0.0  # AdamW's weight decay
+    seed: int = 42  # shuffling, the built-in tasks, and each rank's random stream (seed + rank)
     logging_steps: int = 10  # log the loss averaged over ranks every this many optimizer steps
-    save_steps: int = 0  # checkpoint every this many optimizer steps; 0: never
-    save_total_limit: int | None = None  # keep at most this many checkpoints (oldest deleted)
-    resume_from_checkpoint: str | None = None  # a checkpoint-<step> dir, or "latest" in output_dir
-    ddp_backend: str = "auto"  # gloo, nccl, xccl, hccl, cncl, or auto (from the device)
-    ddp_find_unused_parameters: bool = False  # DDP's find_unused_parameters
-    ddp_bucket_cap_mb: float | None = None  # DDP's bucket_cap_mb; None: 1 MiB first, then 25 MiB
-    ddp_broadcast_buffers: bool = True  # DDP's broadcast_buffers
-    ddp_timeout: float = DEFAULT_TIMEOUT_S  # seconds a collective may wait (init_process_group timeout)
-    gradient_checkpointing: bool = False  # recompute activations in backward (built-in models)
-    mixed_precision: str = "no"  # no, bf16 or fp16 (autocast; fp16 adds a GradScaler)
-    loss_normalization: str = "per_batch"  # lm only: per_batch mean, or over the window's global token count
-    model: str = "mlp"  # built-in task: mlp, bn (BatchNorm), lm (tiny causal LM, variable lengths)
-    dataset_size: int = 2048  # samples in the built-in task (train split)
-    eval_size: int = 512  # held-out samples for evaluation; 0 disables
-    dropout: float = 0.0  # built-in models' dropout (breaks split equivalence: different RNG streams)
+    save_steps: int = 0  # save a checkpoint every this many optimizer steps; 0: never
+    save_total_limit: int | None = None  # keep at most this many checkpoints (oldest deleted); none: all
+    resume_from_checkpoint: str | None = None  # a checkpoint-<step> directory, or latest (newest in output_dir)
+    ddp_backend: str = "auto"  # process-group backend; auto: from the device (gloo on CPU, nccl on CUDA)
+    ddp_find_unused_parameters: bool = False  # DDP's find_unused_parameters: allow parameters without gradient
+    ddp_bucket_cap_mb: float | None = None  # DDP's bucket_cap_mb in MiB; none: 1 MiB first, then 25 MiB
+    ddp_broadcast_buffers: bool = True  # DDP's broadcast_buffers: copy rank 0's buffers before each forward
+    ddp_timeout: float = DEFAULT_TIMEOUT_S  # seconds a collective may wait for the other ranks
+    use_cpu: bool = False  # train on the CPU even where there is a GPU (the backend does not choose the device)
+    gradient_checkpointing: bool = False  # recompute activations in backward (model.gradient_checkpointing_enable)
+    mixed_precision: str = "no"  # autocast to bf16, or fp16 with a GradScaler; no: fp32
+    loss_normalization: str = "per_batch"  # built-in tasks: per_batch mean, or global_tokens (num_items_in_batch)
+    model: str = "mlp"  # built-in task: mlp, bn (with BatchNorm), lm (tiny causal LM, variable lengths)
+    dataset_size: int = 2048  # training samples of the built-in task
+    eval_size: int = 512  # held-out samples of the built-in task; 0: no evaluation
+    dropout: float = 0.0  # the built-in models' dropout probability
     disable_tqdm: bool = False  # no progress bar
 
     def __post_init__(self):
@@ -77,7 +92,8 @@ class TrainingConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
 
-        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps", "dataset_size"):
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                     "logging_steps", "dataset_size"):
             positive_int(name)
         if not isinstance(self.max_steps, int) or (self.max_steps < 1 and self.max_steps != -1):
             raise ValueError(f"max_steps={self.max_steps!r} must be >= 1, or -1 to train for num_train_epochs")
@@ -97,11 +113,7 @@ class TrainingConfig:
         if self.ddp_bucket_cap_mb is not None and not self.ddp_bucket_cap_mb > 0:
             raise ValueError(f"ddp_bucket_cap_mb={self.ddp_bucket_cap_mb!r} must be > 0 (MiB), e.g. 25")
         as_timedelta(self.ddp_timeout, name="ddp_timeout")
-        if self.ddp_backend not in valid_backend_names():
-            raise ValueError(f"ddp_backend={self.ddp_backend!r} is not a backend; valid: "
-                             f"{', '.join(valid_backend_names())}")
-        for name, allowed in (("mixed_precision", MIXED_PRECISION), ("loss_normalization", LOSS_NORMALIZATION),
-                              ("model", MODELS)):
+        for name, allowed in choices().items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {', '.join(allowed)}")
         if self.gradient_checkpointing and self.ddp_find_unused_parameters:
@@ -124,3 +136,9 @@ class TrainingConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+def field_help() -> dict[str, str]:
+    """Each field's trailing comment, by name: one text for readers of this file and of ``--help``."""
+    source = inspect.getsource(TrainingConfig)
+    return dict(re.findall(r"^    (\w+): [^\n]*?  # ([^\n]+)$", source, re.M))

@@ -32,6 +32,7 @@ How torch differs
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -137,15 +138,19 @@ class DistributedDataParallel(torch.nn.Module):
 
 
 def move_to(obj, device):
-    """``obj`` with every tensor inside (tuples, lists, dicts, dataclasses) moved to ``device``."""
+    """``obj`` with every tensor inside (tuples, lists, mappings, dataclasses, nested) moved to ``device``."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
+        return obj.to(device, non_blocking=torch.device(device).type != "cpu")  # async from pinned memory
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple
         return type(obj)(*(move_to(x, device) for x in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(move_to(x, device) for x in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, move_to(v, device)) for k, v in obj.items())
+    if isinstance(obj, Mapping):  # dicts, Hugging Face's BatchEncoding and ModelOutput
+        moved = {k: move_to(v, device) for k, v in obj.items()}
+        try:
+            return type(obj)(moved)
+        except TypeError:  # a mapping type that cannot be rebuilt from a dict
+            return moved
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return dataclasses.replace(obj, **{f.name: move_to(getattr(obj, f.name), device)
                                            for f in dataclasses.fields(obj) if f.init})

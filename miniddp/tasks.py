@@ -1,19 +1,26 @@
 """Built-in tasks for the trainer: generated from a seed, nothing downloaded.
 
 What
-    ``make_task(name, size, eval_size, seed)`` returns ``(model, train_dataset,
-    eval_dataset, kind)`` for one of three tasks:
+    ``make_task(config)`` returns the ``Trainer``'s keyword arguments for one
+    task: ``model``, ``train_dataset``, ``eval_dataset``, ``data_collator``,
+    ``compute_loss_func`` and ``compute_metrics`` (accuracy). The tasks use the
+    Trainer's public API like any user's, so that ``Trainer(args=config,
+    **make_task(config))`` trains them:
 
     * ``mlp``: 4-class classification of points drawn around 4 random centres in
-      32 dimensions (a ``Teacher`` of Gaussian clusters); an MLP reaches >90%
-      held-out accuracy in a few hundred steps.
+      32 dimensions; an MLP reaches >90% held-out accuracy in a few hundred steps.
     * ``bn``: the same data, and an MLP with ``BatchNorm1d`` — its buffers make
       ``ddp_broadcast_buffers`` matter, and make split equivalence fail
       (batch statistics depend on the per-device batch).
     * ``lm``: a tiny causal language model on sequences of *variable length*
-      (4..32 tokens) from a simple synthetic grammar; per-token loss with
-      padding masked out — where averaging micro-batch means is *not* the mean
-      over all tokens (see ``loss_normalization``).
+      (4..32 tokens) from a simple synthetic grammar; padding is labelled -100 —
+      where averaging micro-batch means is *not* the mean over all tokens.
+
+    ``loss_normalization`` picks the loss, the two ways Hugging Face users have:
+    ``per_batch`` gives dict batches (a collator names the columns) to a model
+    that returns its own loss, a mean over its micro-batch's labels;
+    ``global_tokens`` gives tuple batches to ``sum_over_num_items``, which sums
+    the losses of the labels and divides by ``num_items_in_batch``.
 
 Why
     Tests, notebooks and the README's command must run on a machine with no
@@ -27,83 +34,124 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-from torch.utils.data import TensorDataset
+from torch.utils.data import TensorDataset, default_collate
+
+from .batches import IGNORE_INDEX
 
 VOCAB, MAX_LEN, PAD = 16, 32, 0  # lm task: vocabulary, longest sequence, padding id
 
 
 def _clusters(size: int, seed: int, dim: int = 32, classes: int = 4):
     g = torch.Generator().manual_seed(seed)
-    centres = torch.randn(classes, dim, generator=torch.Generator().manual_seed(1234)) * 0.5  # clusters overlap a little
+    centres = torch.randn(classes, dim, generator=torch.Generator().manual_seed(1234)) * 0.5  # overlap a little
     labels = torch.randint(0, classes, (size,), generator=g)
     x = centres[labels] + torch.randn(size, dim, generator=g)
     return TensorDataset(x, labels)
 
 
-class Classifier(nn.Module):
-    """MLP with optional BatchNorm, dropout and gradient checkpointing."""
+def _mean_loss(logits, labels):
+    """Cross-entropy averaged over this batch's labels (not -100): what a model's own loss is."""
+    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX)
 
-    def __init__(self, batchnorm=False, dropout=0.0, checkpointing=False, dim=32, hidden=64, classes=4):
+
+class Classifier(nn.Module):
+    """MLP with optional BatchNorm and dropout; ``{"logits", "loss"}`` like a Hugging Face model."""
+
+    def __init__(self, batchnorm=False, dropout=0.0, dim=32, hidden=64, classes=4):
         super().__init__()
         norm = nn.BatchNorm1d(hidden) if batchnorm else nn.Identity()
         self.body = nn.Sequential(nn.Linear(dim, hidden), norm, nn.ReLU(), nn.Dropout(dropout),
                                   nn.Linear(hidden, hidden), nn.ReLU())
         self.head = nn.Linear(hidden, classes)
-        self.checkpointing = checkpointing  # recompute self.body in backward
+        self.checkpointing = False  # recompute self.body in backward (gradient_checkpointing_enable)
 
-    def forward(self, x):
-        h = checkpoint(self.body, x, use_reentrant=False) if self.checkpointing and self.training else self.body(x)
-        return self.head(h)
+    def gradient_checkpointing_enable(self):
+        self.checkpointing = True
+
+    def forward(self, features, labels=None):
+        h = checkpoint(self.body, features, use_reentrant=False) if self.checkpointing and self.training \
+            else self.body(features)
+        logits = self.head(h)
+        return {"logits": logits} if labels is None else {"logits": logits, "loss": _mean_loss(logits, labels)}
 
 
 def _sequences(size: int, seed: int):
-    """Each sequence counts up by a random stride mod VOCAB-1 (ids 1..15), random length 4..32."""
+    """(input_ids, labels): each sequence counts up by a random stride mod VOCAB-1 (ids 1..15), random
+    length 4..32; labels are the next tokens, -100 past the end."""
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(4, MAX_LEN + 1, (size,), generator=g)
     start = torch.randint(1, VOCAB, (size, 1), generator=g)
     stride = torch.randint(1, 4, (size, 1), generator=g)
     tokens = (start - 1 + stride * torch.arange(MAX_LEN)) % (VOCAB - 1) + 1
     mask = torch.arange(MAX_LEN) < lengths[:, None]
-    return TensorDataset(torch.where(mask, tokens, PAD), mask)
+    tokens = torch.where(mask, tokens, PAD)
+    return TensorDataset(tokens[:, :-1], torch.where(mask[:, 1:], tokens[:, 1:], IGNORE_INDEX))
 
 
 class TinyLM(nn.Module):
     """Embedding + positions -> mix each token with the previous one (causal) -> logits."""
 
-    def __init__(self, dim=32, dropout=0.0, checkpointing=False):
+    def __init__(self, dim=32, dropout=0.0):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, dim)
         self.pos = nn.Parameter(torch.zeros(MAX_LEN, dim))
         self.mix = nn.Linear(2 * dim, dim)
         self.drop = nn.Dropout(dropout)
         self.out = nn.Linear(dim, VOCAB)
-        self.checkpointing = checkpointing
+        self.checkpointing = False  # recompute self._body in backward (gradient_checkpointing_enable)
+
+    def gradient_checkpointing_enable(self):
+        self.checkpointing = True
 
     def _body(self, h):
         prev = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1)  # the previous token: causal
         return torch.tanh(self.mix(torch.cat([h, prev], dim=-1)))
 
-    def forward(self, tokens):
-        h = self.embed(tokens) + self.pos[: tokens.shape[1]]
+    def forward(self, input_ids, labels=None):
+        h = self.embed(input_ids) + self.pos[: input_ids.shape[1]]
         h = checkpoint(self._body, h, use_reentrant=False) if self.checkpointing and self.training else self._body(h)
-        return self.out(self.drop(h))
+        logits = self.out(self.drop(h))
+        return {"logits": logits} if labels is None else {"logits": logits, "loss": _mean_loss(logits, labels)}
 
 
-def lm_token_losses(model, batch):
-    """Per-token losses (next-token prediction) and their mask, for either normalisation."""
-    tokens, mask = batch
-    logits = model(tokens[:, :-1])
-    losses = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1), reduction="none")
-    return losses.view(tokens.shape[0], -1), mask[:, 1:].float()
+# --8<-- [start:losses]
+def sum_over_num_items(outputs, labels, num_items_in_batch):
+    """compute_loss_func: the summed loss of this micro-batch's labels / the window's label count
+    on all ranks. Summed over the window and averaged by DDP, that is the mean over every label."""
+    logits = outputs["logits"].float()
+    summed = F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    return summed / num_items_in_batch
 
 
-def make_task(name: str, size: int, eval_size: int, seed: int, dropout: float = 0.0, checkpointing: bool = False):
-    """``(model, train, eval, kind)``; ``kind`` is "classification" or "lm"."""
+def accuracy(prediction) -> dict:
+    """compute_metrics: the fraction of labels (not -100) whose logit is the largest."""
+    counted = prediction.label_ids != IGNORE_INDEX
+    correct = (prediction.predictions.argmax(-1) == prediction.label_ids) & counted
+    return {"accuracy": correct.sum().item() / counted.sum().item()}
+# --8<-- [end:losses]
+
+
+def named_columns(*names):
+    """A data_collator that batches tuples (torch's default) and names the columns: dict batches."""
+    def collate(samples):
+        return dict(zip(names, default_collate(samples)))
+    return collate
+
+
+def make_task(config) -> dict:
+    """The Trainer's keyword arguments for ``config.model`` (``mlp``, ``bn`` or ``lm``)."""
+    size, eval_size, seed = config.dataset_size, config.eval_size, config.seed
     torch.manual_seed(seed)  # model init: the same on every rank (DDP would broadcast it anyway)
-    if name in ("mlp", "bn"):
-        model = Classifier(batchnorm=name == "bn", dropout=dropout, checkpointing=checkpointing)
-        return model, _clusters(size, seed + 1), _clusters(eval_size, seed + 2), "classification"
-    if name == "lm":
-        model = TinyLM(dropout=dropout, checkpointing=checkpointing)
-        return model, _sequences(size, seed + 1), _sequences(eval_size, seed + 2), "lm"
-    raise ValueError(f"model={name!r} must be one of mlp, bn, lm")
+    if config.model in ("mlp", "bn"):
+        model = Classifier(batchnorm=config.model == "bn", dropout=config.dropout)
+        data, columns = _clusters, ("features", "labels")
+    elif config.model == "lm":
+        model = TinyLM(dropout=config.dropout)
+        data, columns = _sequences, ("input_ids", "labels")
+    else:
+        raise ValueError(f"model={config.model!r} must be one of mlp, bn, lm")
+    task = {"model": model, "train_dataset": data(size, seed + 1),
+            "eval_dataset": data(eval_size, seed + 2) if eval_size else None, "compute_metrics": accuracy}
+    if config.loss_normalization == "global_tokens":
+        return {**task, "compute_loss_func": sum_over_num_items}
+    return {**task, "data_collator": named_columns(*columns)}

@@ -11,22 +11,40 @@
     # also installed as a console script
     miniddp-train --output_dir out      # one process, no launcher needed
 
-Flags are the ``TrainingConfig`` fields, with Hugging Face's names. A bad flag
-or value exits with status 2 and one line naming it, before any process group
-exists (so N ranks do not each print a traceback). Writes
+Flags are the ``TrainingConfig`` fields, with Hugging Face's names; ``--help``
+describes each (from the field's comment in ``config.py``). Writes
 ``DIR/metrics.json``, ``DIR/final_model.pt`` and ``DIR/checkpoint-<step>/``.
+
+Exit status: 0 done; 2 a bad flag or value (before any process group exists);
+3 the job could not start (a backend this machine cannot run, a bad
+``--resume_from_checkpoint``...). Errors print one line, once, from rank 0, and
+go into torchrun's error file, so its failure summary shows the same line
+(torchrun itself then exits 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import json
 import os
+import re
 import sys
+import time
 from dataclasses import fields
 
-from .config import TrainingConfig
+from .config import TrainingConfig, choices, field_help
 
+BAD_FLAG, CANNOT_START = 2, 3  # exit statuses
+RANK_0_FIRST_S = 5.0  # how long other ranks wait before exiting on an error rank 0 reports
 _BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+EPILOG = """\
+launch on several processes with torchrun:
+  torchrun --standalone --nproc-per-node 2 -m miniddp.train --output_dir out
+  torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr 10.0.0.1 \\
+      --master-port 29500 -m miniddp.train --output_dir out --ddp_backend nccl
+exit status: 0 done, 2 bad flag or value, 3 the job could not start"""
 
 
 def _bool(text: str) -> bool:
@@ -44,24 +62,48 @@ def _optional(kind):
 
 class _OneLineParser(argparse.ArgumentParser):
     def error(self, message):  # argparse prints usage + message; one line is enough
-        raise SystemExit(_fail(message))
+        for flag in re.findall(r"(?<!\S)(--?[\w-]+)", message.partition("unrecognized arguments:")[2]):
+            close = difflib.get_close_matches(flag, self._option_string_actions, n=1)
+            if close:
+                message += f" (did you mean {close[0]}?)"
+        raise SystemExit(fail(message, BAD_FLAG))
 
 
-def _fail(message: str) -> int:
+def fail(message: str, status: int) -> int:
+    """Say ``message`` once (rank 0) and in torchrun's error file (every rank); return ``status``.
+
+    Under torchrun the other ranks wait a little before exiting: torchrun stops every worker
+    as soon as one exits, and rank 0 must not be stopped before it speaks (when only some
+    other rank failed, torchrun's summary still shows the line, from that rank's error file).
+    """
+    line = " ".join(str(message).split())  # one line, whatever the exception's text looked like
     if os.environ.get("RANK", "0") == "0":  # under torchrun, only rank 0 speaks
-        print(f"miniddp-train: error: {message}", file=sys.stderr)
-    return 2
+        print(f"miniddp-train: error: {line}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(RANK_0_FIRST_S)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # set by torchrun for each worker
+    if error_file:  # its failure summary shows this line instead of a link to its docs
+        with open(error_file, "w") as f:  # the format of torch.distributed.elastic's ErrorHandler
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": f"miniddp-train: {line}",
+                                                                  "timestamp": str(int(time.time()))}}}, f)
+    return status
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(prog="miniddp-train", description="Train a built-in task with miniddp's DDP.")
+    parser = _OneLineParser(prog="miniddp-train", description="Train a built-in task with miniddp's DDP.",
+                            epilog=EPILOG, allow_abbrev=False,  # --learning_rat is a typo, not a prefix
+                            formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(
+                                prog, max_help_position=40))
+    helps, named = field_help(), choices()
     types = {"int": int, "float": float, "str": str, "bool": _bool}
     for f in fields(TrainingConfig):
         annotation = str(f.type)
         base = next(t for name, t in types.items() if name in annotation)
         kind = _optional(base) if "None" in annotation else base
-        parser.add_argument(f"--{f.name}", type=kind, default=f.default, metavar=base.__name__.upper(),
-                            help=f"(default: {f.default})")
+        metavar = "{true,false}" if base is _bool else base.__name__.upper()
+        parser.add_argument(f"--{f.name}", type=kind, default=f.default, choices=named.get(f.name),
+                            metavar=None if f.name in named else metavar,
+                            help=f"{helps[f.name]} (default: {f.default})")
     return parser
 
 
@@ -70,23 +112,30 @@ def parse_config(argv=None) -> TrainingConfig:
     try:
         return TrainingConfig(**vars(args))
     except (ValueError, TypeError) as err:
-        raise SystemExit(_fail(f"--{str(err).split('=')[0].split()[0]}: {err}")) from None
+        raise SystemExit(fail(f"--{str(err).split('=')[0].split()[0]}: {err}", BAD_FLAG)) from None
 
 
 def main(argv=None) -> dict:
     config = parse_config(argv)
-    from .tasks import make_task  # torch-heavy imports after the flags are known to be good
+    import torch.distributed as dist  # torch-heavy imports after the flags are known to be good
+
+    from .checkpoint import CHECKPOINT_ERRORS
+    from .tasks import make_task
     from .trainer import Trainer
 
-    model, train_data, eval_data, kind = make_task(config.model, config.dataset_size, config.eval_size, config.seed,
-                                                   config.dropout, config.gradient_checkpointing)
-    trainer = Trainer(model, train_data, config, eval_dataset=eval_data, kind=kind)
-    metrics = trainer.train()
+    try:
+        trainer = Trainer(args=config, **make_task(config))  # backend, device, rendezvous, the DDP wrap
+    except (ValueError, RuntimeError) as err:
+        raise SystemExit(fail(err, CANNOT_START)) from None
+    try:
+        metrics = trainer.train()
+    except CHECKPOINT_ERRORS as err:  # a bad --resume_from_checkpoint: the same error on every rank
+        raise SystemExit(fail(err, CANNOT_START)) from None
     if trainer.rank == 0:
         shown = {k: v for k, v in metrics.items() if k != "log_history"}
         print("final: " + ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items()))
-    import torch.distributed as dist
-
+        out = config.output_dir
+        print(f"results: {os.path.join(out, 'metrics.json')}, {os.path.join(out, 'final_model.pt')}")
     dist.destroy_process_group()
     return metrics
 
@@ -97,9 +146,13 @@ def cli() -> None:
     torch 2.13 workers that imported ``torch._dynamo`` (``torch.optim`` does) sometimes abort
     at interpreter exit under torchrun ("terminate called without an active exception",
     SIGABRT, about 1 run in 5 here) although the process group was destroyed. Everything is
-    written and flushed by then, so we exit the way multiprocessing's workers do.
+    written and flushed by then, so we exit the way multiprocessing's workers do, with
+    ``main``'s status when it stops early (``--help``, a bad flag, a job that cannot start).
     """
-    main()
+    try:
+        main()
+    except SystemExit as stop:
+        exit_now(stop.code if isinstance(stop.code, int) else 1)
     exit_now(0)
 
 

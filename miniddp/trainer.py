@@ -1,106 +1,120 @@
-"""The trainer: every module of miniddp in one training loop.
+"""The trainer: any model, data and loss, through every module of miniddp.
 
 What
-    ``Trainer(model, train_dataset, config, eval_dataset=None, kind=...)`` joins
-    the job (``init_distributed``: backend, device, ``ddp_timeout``), shards the
-    data (``ShardSampler`` + ``set_epoch``), wraps the model
-    (``miniddp.DistributedDataParallel`` with the ``ddp_*`` settings), and
-    trains: accumulation windows with ``no_sync`` on every micro-batch but the
-    last, clipping after the sync, one optimizer and LR-schedule step per
-    window, autocast for bf16/fp16, the loss averaged over ranks for the log, a
-    progress bar on rank 0, evaluation on a held-out split, checkpoints and an
-    exact resume. ``train()`` returns the metrics it writes to
-    ``output_dir/metrics.json``.
+    ``Trainer(model=..., args=TrainingConfig(...), train_dataset=..., eval_dataset=None,
+    data_collator=None, compute_loss_func=None, compute_metrics=None)`` takes
+    ``transformers.Trainer``'s keywords. It joins the job (``init_distributed``:
+    backend, device, ``ddp_timeout``), wraps the model
+    (``miniddp.DistributedDataParallel`` with the ``ddp_*`` settings), seeds each
+    rank's random stream with ``seed + rank``, shards the data (``ShardSampler``),
+    and trains: accumulation windows with ``no_sync`` on every micro-batch but the
+    last, clipping after the sync, one optimizer and LR-schedule step per window,
+    autocast for bf16/fp16, evaluation, checkpoints and an exact resume. Batches
+    become losses in ``batches.py``: the loop knows no task. ``train()`` returns
+    the metrics it writes to ``output_dir/metrics.json``.
 
 Why
     The pieces are only understood once they run together. This loop is also the
     oracle for the claim Hugging Face and TRL make: runs with the same effective
     batch (per_device_train_batch_size x world_size x gradient_accumulation_steps)
-    train the same model.
+    train the same model, for any model whose loss is normalised right.
 
 How Hugging Face differs
-    ``transformers.Trainer`` (via Accelerate) does the same things with far more
-    options. One detail differs on purpose: each micro-batch's loss is divided
-    by its window's *real* length, so a short last window of an epoch is still
-    an average; and ``loss_normalization="global_tokens"`` implements the fix for
-    the 2024 gradient-accumulation bug (normalise by the window's token count
-    over all ranks, not by per-micro-batch means).
+    ``transformers.Trainer`` (via Accelerate) does the same with far more options.
+    It seeds every rank with the same ``seed``, so ranks draw the same dropout
+    masks; Accelerate's ``set_seed(seed, device_specific=True)`` adds the process
+    index, as we do. A model's own loss (a micro-batch mean) is divided by the
+    window's *real* length, so a short last window is still an average (Hugging
+    Face divides by ``gradient_accumulation_steps``). Tuple batches are ours.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import random
+import sys
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader
 
-from .checkpoint import checkpoints, load_checkpoint, save_checkpoint, set_rng_state
+from .batches import compute_loss, count_items, evaluate
+from .checkpoint import checkpoints, load_checkpoint_on_every_rank, save_checkpoint, set_rng_state
 from .config import TrainingConfig
-from .ddp import DistributedDataParallel
+from .ddp import DistributedDataParallel, move_to
 from .env import init_distributed
 from .no_sync import accumulation_windows
 from .sharding import ShardSampler
-from .tasks import lm_token_losses
 
 
 class Trainer:
-    def __init__(self, model, train_dataset, config: TrainingConfig, eval_dataset=None, kind="classification"):
-        self.config = config
-        self.kind = kind  # "classification" (x, label) or "lm" (tokens, mask)
-        self.env = init_distributed(config.ddp_backend, config.ddp_timeout)
+    """Data-parallel training with ``transformers.Trainer``'s keywords; see the module docstring."""
+
+    def __init__(self, *, model, args: TrainingConfig | None = None, train_dataset, eval_dataset=None,
+                 data_collator=None, compute_loss_func=None, compute_metrics=None):
+        args = TrainingConfig() if args is None else args
+        if not isinstance(args, TrainingConfig):
+            raise TypeError(f"args= must be a miniddp.TrainingConfig, got {type(args).__name__}")
+        self.args = args
+        self.data_collator = data_collator  # DataLoader's collate_fn; None: torch's default_collate
+        self.compute_loss_func = compute_loss_func  # fn(outputs, labels, num_items_in_batch); None: the model's loss
+        self.compute_metrics = compute_metrics  # fn(EvalPrediction) -> dict; None: eval_loss only
+        self.eval_dataset = eval_dataset
+        self.env = init_distributed(args.ddp_backend, args.ddp_timeout, device="cpu" if args.use_cpu else None)
         self.device, self.rank, self.world_size = self.env.device, self.env.rank, self.env.world_size
-        if config.gradient_checkpointing and config.ddp_broadcast_buffers and any(True for _ in model.buffers()):
-            raise ValueError("ddp_broadcast_buffers=True with gradient_checkpointing on a model with buffers: "
-                             "set ddp_broadcast_buffers=False")
+        if args.gradient_checkpointing:
+            _enable_gradient_checkpointing(model, args.ddp_broadcast_buffers)
         self.model = model.to(self.device)  # the unwrapped model: what we save
         # --8<-- [start:wrap]
         self.ddp = DistributedDataParallel(
             self.model, device_ids=[self.device] if self.device.type == "cuda" else None,
-            bucket_cap_mb=config.ddp_bucket_cap_mb, broadcast_buffers=config.ddp_broadcast_buffers,
-            find_unused_parameters=config.ddp_find_unused_parameters)
+            bucket_cap_mb=args.ddp_bucket_cap_mb, broadcast_buffers=args.ddp_broadcast_buffers,
+            find_unused_parameters=args.ddp_find_unused_parameters)
+        seed_per_rank(args.seed, self.rank)  # after the wrap: rank 0's initial weights are everyone's
         self.sampler = ShardSampler(train_dataset, num_replicas=self.world_size, rank=self.rank, shuffle=True,
-                                    seed=config.seed)
-        self.loader = DataLoader(train_dataset, batch_size=config.per_device_train_batch_size, sampler=self.sampler)
+                                    seed=args.seed)
+        self.loader = DataLoader(train_dataset, batch_size=args.per_device_train_batch_size, sampler=self.sampler,
+                                 collate_fn=data_collator, pin_memory=self.device.type == "cuda")
         # --8<-- [end:wrap]
-        self.eval_dataset = eval_dataset
-        self.windows = accumulation_windows(len(self.loader), config.gradient_accumulation_steps)
+        self.windows = accumulation_windows(len(self.loader), args.gradient_accumulation_steps)
         per_epoch = len(self.windows)  # optimizer steps per epoch
-        self.max_steps = config.max_steps if config.max_steps > 0 else math.ceil(config.num_train_epochs * per_epoch)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.learning_rate,
-                                           weight_decay=config.weight_decay)
+        self.max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * per_epoch)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.learning_rate,
+                                           weight_decay=args.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: max(0.0, 1 - s / self.max_steps))
-        amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.mixed_precision)
+        amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision)
         self.autocast = (lambda: torch.autocast(self.device.type, dtype=amp)) if amp else nullcontext
-        self.scaler = torch.amp.GradScaler(self.device.type) if config.mixed_precision == "fp16" else None
-        self.state = {"global_step": 0, "epoch": 0, "window": 0, "loss_sum": 0.0}  # where we are; saved
+        self.scaler = torch.amp.GradScaler(self.device.type) if args.mixed_precision == "fp16" else None
+        # where we are, saved in checkpoints; loss_sum: the loss of every step so far, averaged over ranks
+        self.state = {"global_step": 0, "epoch": 0, "window": 0, "loss_sum": 0.0, "logged_step": 0,
+                      "logged_loss": 0.0}
+        self.pending_loss = torch.zeros((), dtype=torch.float64, device=self.device)  # this rank's, not yet in state
         self.log_history: list[dict] = []
 
     # --8<-- [start:window]
-    def _window_step(self, micro_batches) -> float:
-        """One optimizer step over one accumulation window; returns this rank's loss."""
+    def _window_step(self, micro_batches) -> torch.Tensor:
+        """One optimizer step over one accumulation window; returns this rank's part of its loss."""
         n = len(micro_batches)
-        global_tokens = None
-        if self.kind == "lm" and self.config.loss_normalization == "global_tokens":
-            count = sum(mask[:, 1:].sum() for _, mask in micro_batches).to(self.device, torch.float64)
-            dist.all_reduce(count)  # tokens in this window on every rank: the one true denominator
-            global_tokens = count.item()
-        total = 0.0
+        num_items = self._num_items(micro_batches)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)  # summed on the device: no host sync
         for j, batch in enumerate(micro_batches):
-            batch = [t.to(self.device) for t in batch]
             with nullcontext() if j == n - 1 else self.ddp.no_sync():  # sync only the last micro-batch
                 with self.autocast():
-                    loss, logged = self._loss(batch, n, global_tokens)
+                    loss, _ = compute_loss(self.ddp, move_to(batch, self.device), self.compute_loss_func,
+                                           num_items)
+                # DDP divides the summed gradients by world_size. A loss divided by the window's item
+                # count over all ranks is multiplied back: the gradient is the mean over every item.
+                # A model's own loss is a micro-batch mean: divide by the window's real length.
+                loss = loss * self.world_size if num_items is not None else loss / n
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
-            total += logged
+            total += loss.detach()
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        if self.config.max_grad_norm > 0:  # after the sync: every rank clips the same averaged gradient
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        if self.args.max_grad_norm > 0:  # after the sync: every rank clips the same averaged gradient
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -110,25 +124,20 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return total
 
-    def _loss(self, batch, n, global_tokens):
-        """(what to backward, what to log). DDP will divide the gradient by world_size."""
-        if self.kind == "classification":
-            x, y = batch
-            loss = F.cross_entropy(self.ddp(x).float(), y)
-            return loss / n, loss.item() / n  # mean over the window's real length
-        losses, mask = lm_token_losses(self.ddp, batch)
-        token_sum = (losses.float() * mask).sum()
-        if global_tokens is None:  # per_batch: mean of this micro-batch's tokens (biased when lengths vary)
-            loss = token_sum / mask.sum()
-            return loss / n, loss.item() / n
-        scaled = token_sum * self.world_size / global_tokens  # x world_size undoes DDP's averaging
-        return scaled, scaled.item()
+    def _num_items(self, micro_batches):
+        """compute_loss_func's num_items_in_batch: the window's labels on all ranks (one all-reduce)."""
+        if self.compute_loss_func is None:
+            return None
+        count = sum(count_items(b) for b in micro_batches).to(self.device)  # counted where the labels are
+        dist.all_reduce(count)
+        return count
     # --8<-- [end:window]
 
-    def train(self) -> dict:
-        cfg = self.config
-        if cfg.resume_from_checkpoint:
-            self._resume(cfg.resume_from_checkpoint)
+    def train(self, resume_from_checkpoint: str | None = None) -> dict:
+        """Train for max_steps (or num_train_epochs), resuming first if asked (here or in args)."""
+        where = resume_from_checkpoint or self.args.resume_from_checkpoint
+        if where:
+            self._resume(where)
         progress = self._progress_bar()
         while self.state["global_step"] < self.max_steps:
             self.sampler.set_epoch(self.state["epoch"])  # a new shuffle each epoch, the same on every rank
@@ -137,11 +146,10 @@ class Trainer:
                 for _ in range(length):
                     next(batches)
             for length in self.windows[self.state["window"]:]:
-                loss = self._window_step([next(batches) for _ in range(length)])
+                self.pending_loss += self._window_step([next(batches) for _ in range(length)])
                 self.state["window"] += 1
                 self.state["global_step"] += 1
-                self.state["loss_sum"] += loss
-                self._after_step(loss, progress)
+                self._after_step(progress)
                 if self.state["global_step"] >= self.max_steps:
                     break
             else:
@@ -151,36 +159,46 @@ class Trainer:
             progress.close()
         return self._finish()
 
-    def _after_step(self, loss, progress) -> None:
-        step, cfg = self.state["global_step"], self.config
-        if step % cfg.logging_steps == 0 or step == self.max_steps:
-            mean = torch.tensor([loss], dtype=torch.float64, device=self.device)
-            dist.all_reduce(mean)  # every rank's loss, averaged: the number to print
-            entry = {"step": step, "loss": mean.item() / self.world_size, "lr": self.scheduler.get_last_lr()[0]}
-            self.log_history.append(entry)
+    def _after_step(self, progress) -> None:
+        step, args = self.state["global_step"], self.args
+        if step % args.logging_steps == 0 or step == self.max_steps:
+            self._flush_loss()
+            state = self.state
+            loss = (state["loss_sum"] - state["logged_loss"]) / (step - state["logged_step"])  # mean since last log
+            state.update(logged_step=step, logged_loss=state["loss_sum"])
+            self.log_history.append({"step": step, "loss": loss, "lr": self.scheduler.get_last_lr()[0]})
             if progress is not None:
-                progress.set_postfix(loss=f"{entry['loss']:.4f}")
+                progress.set_postfix(loss=f"{loss:.4f}")
         if progress is not None:
             progress.update(1)
-        if cfg.save_steps and step % cfg.save_steps == 0:
+        if args.save_steps and step % args.save_steps == 0:
             self.save(step)
 
+    def _flush_loss(self) -> None:
+        """Move the pending window losses, averaged over ranks, into state (one all-reduce, one host sync)."""
+        dist.all_reduce(self.pending_loss)
+        self.state["loss_sum"] += self.pending_loss.item() / self.world_size
+        self.pending_loss.zero_()
+
     def save(self, step: int) -> Path:
+        self._flush_loss()  # the saved state holds every step's loss
         states = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                   "scheduler": self.scheduler.state_dict(), "trainer_state": dict(self.state)}
         if self.scaler:
             states["scaler"] = self.scaler.state_dict()
-        return save_checkpoint(self.config.output_dir, step, states, self.rank, self.config.save_total_limit)
+        return save_checkpoint(self.args.output_dir, step, states, self.rank, self.args.save_total_limit)
 
     def _resume(self, where) -> None:
-        path = Path(where)
+        path = where
         if where == "latest":
-            found = checkpoints(self.config.output_dir)
+            found = checkpoints(self.args.output_dir)
             if not found:
-                raise FileNotFoundError(f"resume_from_checkpoint='latest' but {self.config.output_dir} has no "
-                                        "complete checkpoint-<step> directory")
+                if self.rank == 0:
+                    print(f"resume_from_checkpoint='latest': {self.args.output_dir} has no complete checkpoint; "
+                          "starting from scratch", file=sys.stderr, flush=True)
+                return
             path = found[-1]
-        state = load_checkpoint(path, self.rank)
+        state = load_checkpoint_on_every_rank(path, self.rank)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -191,47 +209,48 @@ class Trainer:
             set_rng_state(state["rng_state"])
 
     def _progress_bar(self):
-        if self.rank != 0 or self.config.disable_tqdm:
+        if self.rank != 0 or self.args.disable_tqdm:
             return None
         from tqdm.auto import tqdm
 
         return tqdm(total=self.max_steps, initial=self.state["global_step"], desc="train", unit="step")
 
-    @torch.no_grad()
     def evaluate(self) -> dict:
-        """Held-out metrics over all ranks; each rank takes every world_size-th sample (no padding)."""
-        if not self.eval_dataset:
-            return {}
-        self.model.eval()
-        mine = Subset(self.eval_dataset, range(self.rank, len(self.eval_dataset), self.world_size))
-        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, correct, count
-        for batch in DataLoader(mine, batch_size=256):
-            batch = [t.to(self.device) for t in batch]
-            if self.kind == "classification":
-                logits = self.model(batch[0]).float()
-                sums += torch.stack([F.cross_entropy(logits, batch[1], reduction="sum"),
-                                     (logits.argmax(-1) == batch[1]).sum(), torch.tensor(len(batch[1]))]).to(sums)
-            else:
-                losses, mask = lm_token_losses(self.model, batch)
-                logits_correct = (self.model(batch[0][:, :-1]).argmax(-1) == batch[0][:, 1:]).float() * mask
-                sums += torch.stack([(losses * mask).sum(), logits_correct.sum(), mask.sum()]).to(sums)
-        dist.all_reduce(sums)  # totals over ranks, so every sample counts exactly once
-        self.model.train()
-        return {"eval_loss": (sums[0] / sums[2]).item(), "eval_accuracy": (sums[1] / sums[2]).item()}
+        """``eval_loss`` and ``compute_metrics``' results (prefixed ``eval_``) over all of eval_dataset."""
+        return evaluate(self.model, self.eval_dataset, device=self.device,
+                        batch_size=self.args.per_device_eval_batch_size, collate_fn=self.data_collator,
+                        compute_loss_func=self.compute_loss_func, compute_metrics=self.compute_metrics)
 
     def _finish(self) -> dict:
-        cfg = self.config
-        loss = torch.tensor([self.state["loss_sum"]], dtype=torch.float64, device=self.device)
-        dist.all_reduce(loss)
+        args = self.args
         metrics = {"world_size": self.world_size, "backend": self.env.backend,
-                   "effective_batch_size": cfg.effective_batch_size(self.world_size),
+                   "effective_batch_size": args.effective_batch_size(self.world_size),
                    "global_step": self.state["global_step"],
-                   "train_loss": loss.item() / self.world_size / max(1, self.state["global_step"]),
+                   "train_loss": self.state["loss_sum"] / max(1, self.state["global_step"]),
                    **self.evaluate(), "log_history": self.log_history}
         if self.rank == 0:
-            out = Path(cfg.output_dir)
+            out = Path(args.output_dir)
             out.mkdir(parents=True, exist_ok=True)
             torch.save(self.model.state_dict(), out / "final_model.pt")
-            (out / "metrics.json").write_text(json.dumps({**metrics, "config": cfg.to_dict()}, indent=2) + "\n")
+            (out / "metrics.json").write_text(json.dumps({**metrics, "config": args.to_dict()}, indent=2) + "\n")
         dist.barrier()
         return metrics
+
+
+def seed_per_rank(seed: int, rank: int) -> None:
+    """Seed Python's and torch's generators (CUDA's too) with ``seed + rank``: each rank its own
+    dropout masks, reproducibly (Accelerate's ``set_seed(seed, device_specific=True)``)."""
+    random.seed(seed + rank)
+    torch.manual_seed(seed + rank)
+
+
+def _enable_gradient_checkpointing(model, broadcast_buffers: bool) -> None:
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    if enable is None:
+        raise ValueError(f"gradient_checkpointing=True but {type(model).__name__} has no "
+                         "gradient_checkpointing_enable() method (Hugging Face models have one): add it, or "
+                         "checkpoint inside your forward with torch.utils.checkpoint")
+    if broadcast_buffers and any(True for _ in model.buffers()):
+        raise ValueError("ddp_broadcast_buffers=True with gradient_checkpointing on a model with buffers: "
+                         "set ddp_broadcast_buffers=False")
+    enable()

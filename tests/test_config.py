@@ -5,6 +5,7 @@ import math
 import pytest
 
 from miniddp import TrainingConfig
+from miniddp.config import choices, field_help
 from miniddp.train import build_parser, parse_config
 
 
@@ -49,6 +50,30 @@ def test_every_field_is_a_cli_flag():
     assert set(TrainingConfig.field_names()) <= flags
 
 
+def test_help_describes_every_flag_with_its_choices_and_shows_torchrun():
+    parser = build_parser()
+    assert set(field_help()) == set(TrainingConfig.field_names())  # every field has its comment
+    for action in parser._actions[1:]:  # after --help
+        assert action.help.startswith(field_help()[action.dest]), action.dest
+    text = parser.format_help()
+    assert "_BOOL" not in text and "--ddp_broadcast_buffers {true,false}" in text
+    for name, allowed in choices().items():
+        assert f"--{name} {{{','.join(allowed)}}}" in text
+    assert "torchrun --standalone --nproc-per-node 2 -m miniddp.train --output_dir out" in text
+    assert "exit status: 0 done, 2 bad flag or value, 3 the job could not start" in text
+
+
+@pytest.mark.parametrize("typo, meant", [
+    ("--learning_rat", "--learning_rate"), ("--ddp_bucket_cap", "--ddp_bucket_cap_mb"),
+    ("--gradient-accumulation-steps", "--gradient_accumulation_steps"),
+])
+def test_a_misspelt_flag_suggests_the_right_one(typo, meant, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_config([typo, "1"])  # not accepted as an abbreviation either
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(f"(did you mean {meant}?)")
+
+
 def test_cli_parses_types_and_none():
     c = parse_config(["--per_device_train_batch_size", "4", "--ddp_bucket_cap_mb", "none",
                       "--ddp_broadcast_buffers", "false", "--learning_rate", "3e-4", "--save_total_limit", "2"])
@@ -62,6 +87,7 @@ def test_cli_parses_types_and_none():
     (["--ddp_broadcast_buffers", "maybe"], "--ddp_broadcast_buffers"),
     (["--ddp_timeout", "-1"], "--ddp_timeout"),
     (["--no_such_flag", "1"], "--no_such_flag"),
+    (["--model", "resnet"], "--model"),
 ])
 def test_bad_flags_exit_2_with_one_line_naming_the_flag(argv, named, capsys):
     with pytest.raises(SystemExit) as info:

@@ -244,13 +244,3 @@ def _inputs_follow_device_ids(rank, world_size):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_inputs_move_to_the_device_in_device_ids_as_in_torch():
     assert run_on_ranks(_inputs_follow_device_ids, 2, timeout=120) == [("cuda:0", "cuda:0")] * 2
-
-
-def test_move_to_keeps_the_structure():
-    from collections import namedtuple
-
-    Pair = namedtuple("Pair", "a b")
-    batch = {"ids": torch.ones(2), "pair": Pair(torch.zeros(1), [torch.ones(1), 3]), "name": "x"}
-    moved = miniddp.ddp.move_to(batch, torch.device("cpu"))
-    assert type(moved["pair"]) is Pair and moved["pair"].b[1] == 3 and moved["name"] == "x"
-    assert torch.equal(moved["ids"], batch["ids"])

@@ -1,13 +1,16 @@
-"""Launching: Accelerate-style YAML -> torchrun, SLURM-aware; and a notebook launcher.
+"""Launching: ``miniddp launch script.py`` like ``accelerate launch``, SLURM-aware; and a notebook launcher.
 
 What
-    ``miniddp launch --config_file FILE.yaml [--machine_rank N] [--dry_run] -- <train flags>``
-    reads the fields of an ``accelerate config`` file (``num_processes`` is the
-    total over all machines, ``num_machines``, ``machine_rank``,
-    ``main_process_ip``, ``main_process_port``, ``mixed_precision``,
-    ``same_network``, ``use_cpu``), turns them into ``torchrun`` arguments and
-    runs ``miniddp.train`` through ``torch.distributed.run`` — torchrun itself,
-    in-process: the same engine, no home-made launcher. ``notebook_launcher``
+    ``miniddp launch [--config_file F] [--num_processes N] [--machine_rank R] [--dry_run]
+    script.py [args...]`` (or ``-m module [args...]``) runs the script on N
+    processes through ``torch.distributed.run`` — torchrun itself, in-process: the
+    same engine, no home-made launcher. Everything after the script or module name
+    is the script's, untouched. Without a config: one machine, one process per
+    visible GPU, else 2 on the CPU. With one, it reads the fields of an
+    ``accelerate config`` file (``num_processes`` is the total over all machines,
+    ``num_machines``, ``machine_rank``, ``main_process_ip``, ``main_process_port``,
+    ``mixed_precision``, ``same_network``, ``use_cpu``). The training CLI is
+    ``miniddp launch ... -m miniddp.train --output_dir out``. ``notebook_launcher``
     runs a function on N ranks from a notebook.
 
 Why
@@ -16,17 +19,23 @@ Why
     file: under SLURM, every node then claims to be node 0. Here, under SLURM,
     the node rank comes from ``SLURM_NODEID`` and the main host from the first
     host of ``SLURM_JOB_NODELIST``; a ``--machine_rank`` flag overrides both.
+    A bad file or flag is one line naming the key and the fix, exit status 2.
 
 How Accelerate differs
     ``accelerate launch`` builds the same ``torch.distributed.run`` arguments
     (``accelerate/commands/launch.py``, ``utils/launch.py``) plus many
-    backends (DeepSpeed, FSDP, TPU). Its ``notebook_launcher`` forks too.
+    backends (DeepSpeed, FSDP, TPU), and hands the YAML's settings to the script
+    as ``ACCELERATE_*`` variables; ours are ``MINIDDP_MIXED_PRECISION`` and
+    ``MINIDDP_USE_CPU``. Its ``notebook_launcher`` forks too.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import os
+import shlex
 import sys
 
 import yaml
@@ -38,20 +47,64 @@ KNOWN_KEYS = {"compute_environment", "distributed_type", "num_processes", "num_m
               "main_training_function", "rdzv_backend", "gpu_ids", "downcast_bf16", "debug", "enable_cpu_affinity",
               "tpu_env", "tpu_use_cluster", "tpu_use_sudo", "dynamo_config", "num_cpu_threads_per_process"}
 DDP_TYPES = {"MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_HPU", "MULTI_MLU", "NO"}  # what miniddp can run
+OTHER_ENGINES = {"deepspeed_config": "DeepSpeed", "fsdp_config": "FSDP", "megatron_lm_config": "Megatron-LM",
+                 "DEEPSPEED": "DeepSpeed", "FSDP": "FSDP", "MEGATRON_LM": "Megatron-LM"}  # keys and distributed_types
+WHOLE_NUMBERS = {  # key: (lowest, highest, what to write instead)
+    "num_processes": (1, None, "the total number of processes over all machines, e.g. `num_processes: 2`"),
+    "num_machines": (1, None, "the number of machines, e.g. `num_machines: 1`"),
+    "machine_rank": (0, None, "this machine's index, 0 on the main machine"),
+    "main_process_port": (1, 65535, "a free TCP port on machine 0, e.g. `main_process_port: 29500`"),
+}
+MIXED_PRECISION = ("no", "fp16", "bf16")
+USAGE = "miniddp launch [options] script.py|-m module [args...]"
+
+
+class LaunchError(ValueError):
+    """A bad flag or config: ``main`` prints it as one line and exits with status 2."""
 
 
 def read_config(path) -> dict:
-    with open(path) as f:
-        cfg = yaml.safe_load(f) or {}
+    """An accelerate config file, checked key by key (mixed_precision normalised to a string)."""
+    try:
+        with open(path) as f:
+            cfg = yaml.safe_load(f)
+    except OSError as err:
+        raise LaunchError(f"--config_file {path}: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise LaunchError(f"{path}: not valid YAML{where} ({getattr(err, 'problem', None) or err}); "
+                          "an accelerate config is one `key: value` per line") from None
     if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: expected a YAML mapping of accelerate config keys")
+        raise LaunchError(f"{path}: expected a YAML mapping of accelerate config keys (`num_processes: 2`, ...)")
+    engine = next((OTHER_ENGINES[k] for k in [*cfg, str(cfg.get("distributed_type"))] if k in OTHER_ENGINES), None)
+    if engine:
+        raise LaunchError(f"{path}: this is {'an' if engine == 'FSDP' else 'a'} {engine} config: "
+                          "it needs `accelerate launch`; miniddp runs DDP only")
     unknown = sorted(set(cfg) - KNOWN_KEYS)
     if unknown:
-        raise ValueError(f"{path}: unknown key(s) {unknown}; known: {sorted(KNOWN_KEYS)}")
+        raise LaunchError(f"{path}: unknown key(s) {unknown}; known: {sorted(KNOWN_KEYS)}")
     kind = cfg.get("distributed_type", "MULTI_GPU")
     if kind not in DDP_TYPES:
-        raise ValueError(f"{path}: distributed_type={kind!r}: miniddp runs data-parallel jobs only "
-                         f"({', '.join(sorted(DDP_TYPES))}); DeepSpeed/FSDP configs need accelerate")
+        raise LaunchError(f"{path}: distributed_type: {kind!r}: miniddp runs data-parallel jobs only "
+                          f"({', '.join(sorted(DDP_TYPES))}); other engines need `accelerate launch`")
+    for key, (low, high, fix) in WHOLE_NUMBERS.items():
+        value = cfg.get(key)
+        wrong = isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high)
+        if value is not None and wrong:
+            bounds = f"in {low}..{high}" if high else f">= {low}"
+            raise LaunchError(f"{path}: {key}: {json.dumps(value)} must be a whole number {bounds}: set it to {fix}")
+    if cfg.get("mixed_precision") is False:  # YAML reads an unquoted `no` as false
+        cfg["mixed_precision"] = "no"
+    if cfg.get("mixed_precision", "no") not in MIXED_PRECISION:
+        raise LaunchError(f"{path}: mixed_precision: {json.dumps(cfg['mixed_precision'])}: "
+                          f"miniddp supports {', '.join(MIXED_PRECISION)}")
+    for key in ("use_cpu", "same_network"):
+        if not isinstance(cfg.get(key, False), bool):
+            raise LaunchError(f"{path}: {key}: {json.dumps(cfg[key])} must be true or false")
+    if not isinstance(cfg.get("main_process_ip") or "", str):
+        raise LaunchError(f"{path}: main_process_ip: {json.dumps(cfg['main_process_ip'])} must be a host name "
+                          "or address, e.g. `main_process_ip: 10.0.0.1`")
     return cfg
 
 
@@ -62,20 +115,22 @@ def torchrun_args(cfg: dict, environ=None, machine_rank: int | None = None) -> l
     machines = int(cfg.get("num_machines", 1))
     total = int(cfg.get("num_processes", 1))  # over ALL machines, as in accelerate
     if machines < 1 or total < machines or total % machines:
-        raise ValueError(f"num_processes={total} must be a positive multiple of num_machines={machines} "
-                         "(num_processes counts processes over all machines)")
+        raise LaunchError(f"num_processes={total} must be a positive multiple of num_machines={machines} "
+                          "(num_processes counts processes over all machines)")
     per_node = total // machines
     if machines == 1:
+        if machine_rank:
+            raise LaunchError(f"machine_rank={machine_rank} must be 0 on a one-machine job (num_machines=1)")
         return ["--standalone", f"--nproc-per-node={per_node}"]  # loopback, a free port
     if machine_rank is None:  # under SLURM the node's own id wins over a fixed machine_rank
         machine_rank = int(env["SLURM_NODEID"]) if "SLURM_NODEID" in env else int(cfg.get("machine_rank", 0))
     if not 0 <= machine_rank < machines:
-        raise ValueError(f"machine_rank={machine_rank} must be in [0, num_machines={machines})")
+        raise LaunchError(f"machine_rank={machine_rank} must be in [0, num_machines={machines})")
     host = cfg.get("main_process_ip")
     if not host and (env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")):
         host = parse_slurm_nodelist(env.get("SLURM_JOB_NODELIST") or env["SLURM_NODELIST"])[0]
     if not host:
-        raise ValueError("main_process_ip is required with num_machines > 1 (the address of machine_rank 0)")
+        raise LaunchError("main_process_ip is required with num_machines > 1 (the address of machine_rank 0)")
     port = int(cfg.get("main_process_port") or 29500)
     args = [f"--nnodes={machines}", f"--nproc-per-node={per_node}"]
     if cfg.get("same_network", True):  # static rendezvous: node ranks are fixed
@@ -86,38 +141,158 @@ def torchrun_args(cfg: dict, environ=None, machine_rank: int | None = None) -> l
 # --8<-- [end:torchrun_args]
 
 
+def default_num_processes(use_cpu: bool = False) -> tuple[int, str]:
+    """One process per visible GPU, else 2 on the CPU; and why, for a one-line notice."""
+    import torch
+
+    gpus = 0 if use_cpu else torch.cuda.device_count()
+    if gpus:
+        return gpus, f"{gpus} process{'es' * (gpus > 1)}, one per visible GPU (torch.cuda.device_count() = {gpus})"
+    return 2, "2 processes on the CPU: " + ("the config sets use_cpu" if use_cpu else "no GPU is visible")
+
+
+# --8<-- [start:split]
+VALUE_OPTIONS = {"--config_file", "--num_processes", "--machine_rank"}
+FLAG_OPTIONS = {"--dry_run", "-h", "--help"}
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """``[launcher options] script.py|-m module [script args]`` -> the three parts.
+
+    The first word that is not a launcher option is the script (after ``-m``, the
+    module); everything after it is the script's, even ``--num_processes 5``.
+    """
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word in ("-m", "--module"):
+            if i + 1 == len(argv):
+                raise LaunchError("-m needs a module name: `miniddp launch -m miniddp.train --output_dir out`")
+            return argv[:i], ["-m", argv[i + 1]], argv[i + 2:]
+        if not word.startswith("-"):
+            return argv[:i], [word], argv[i + 1:]
+        if word == "--":
+            raise LaunchError("`--` is not used: name the script or module, then its arguments, e.g. "
+                              "`miniddp launch --config_file F -m miniddp.train --output_dir out`")
+        if word not in VALUE_OPTIONS | FLAG_OPTIONS and word.split("=")[0] not in VALUE_OPTIONS:
+            raise LaunchError(f"unknown option {word}: the launcher's options ({', '.join(sorted(VALUE_OPTIONS))}, "
+                              "--dry_run) go before the script; the script's own go after it")
+        i += 2 if word in VALUE_OPTIONS else 1
+    return argv, [], []
+# --8<-- [end:split]
+
+
+# --8<-- [start:script_env]
+def script_env(cfg: dict) -> dict:
+    """The config's settings for any script, as accelerate's ``ACCELERATE_*`` variables are."""
+    return {"MINIDDP_MIXED_PRECISION": cfg.get("mixed_precision", "no"),
+            "MINIDDP_USE_CPU": "true" if cfg.get("use_cpu") else "false"}
+
+
 def train_flags(cfg: dict, flags: list[str]) -> list[str]:
-    """Carry the YAML's mixed_precision / use_cpu to the trainer unless the flags set them."""
+    """For ``-m miniddp.train``: carry mixed_precision / use_cpu as its flags, unless the flags set them."""
+    given = {f.split("=")[0] for f in flags}
     flags = list(flags)
-    if cfg.get("mixed_precision") and "--mixed_precision" not in flags:
+    if cfg.get("mixed_precision") and "--mixed_precision" not in given:
         flags += ["--mixed_precision", str(cfg["mixed_precision"])]
-    if cfg.get("use_cpu") and "--ddp_backend" not in flags:
-        flags += ["--ddp_backend", "gloo"]
+    if cfg.get("use_cpu") and "--use_cpu" not in given:
+        flags += ["--use_cpu", "true"]
     return flags
+# --8<-- [end:script_env]
+
+
+def _whole(low: int, fix: str):
+    def parse(text: str) -> int:
+        if not text.lstrip("-").isdigit() or int(text) < low:
+            raise argparse.ArgumentTypeError(f"{text} must be a whole number >= {low}: give {fix}")
+        return int(text)
+    return parse
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # argparse prints usage + message; one line is enough
+        raise LaunchError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(prog="miniddp launch", usage=USAGE, allow_abbrev=False,
+                            description="Run a script on N processes with torchrun, as `accelerate launch` does.")
+    add = parser.add_argument
+    add("--config_file", metavar="F", help="an accelerate config YAML (num_processes, num_machines, ...)")
+    add("--num_processes", metavar="N", type=_whole(1, "the total over all machines, e.g. --num_processes 2"),
+        help="total over all machines (default: the YAML's, else one per GPU, else 2 on the CPU)")
+    add("--machine_rank", metavar="R", type=_whole(0, "this machine's index, 0 on the main one"),
+        help="this machine's index; overrides the YAML and SLURM_NODEID")
+    add("--dry_run", action="store_true", help="print the torchrun command and exit")
+    return parser
+
+
+def launch_command(argv: list[str]) -> tuple[list[str], dict, bool]:
+    """The torchrun arguments, the environment for the workers, and whether this is a dry run."""
+    ours, target, script_args = split_argv(argv)
+    args = _parser().parse_args(ours)
+    if not target:
+        raise LaunchError("name the script to run: `miniddp launch [options] script.py [args]` or `-m module [args]`")
+    if target[0] == "-m":
+        _check_module(target[1])
+    elif not os.path.isfile(target[0]):
+        hint = "" if target[0].endswith(".py") else f"; to run a module: `miniddp launch -m {target[0]}`"
+        raise LaunchError(f"no such script: {target[0]} (paths are relative to {os.getcwd()}){hint}")
+    cfg = read_config(args.config_file) if args.config_file else {}
+    if args.num_processes:
+        cfg["num_processes"] = args.num_processes
+    why = None
+    if "num_processes" not in cfg:  # per machine, times the machines
+        per_node, why = default_num_processes(cfg.get("use_cpu", False))
+        cfg["num_processes"] = per_node * cfg.get("num_machines", 1)
+    command = torchrun_args(cfg, machine_rank=args.machine_rank) + target
+    if why:  # said once the command is known to be good: an error stays one line
+        print(f"miniddp launch: {why}; --num_processes N to choose", file=sys.stderr)
+    if target == ["-m", "miniddp.train"]:
+        script_args = train_flags(cfg, script_args)
+    return command + script_args, script_env(cfg), args.dry_run
+
+
+def _check_module(name: str) -> None:
+    """Fail in one line now rather than in every worker: is there a module ``name`` to run from here?"""
+    sys.path.insert(0, os.getcwd())  # the workers run `python -m name` from here
+    try:
+        found = importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError as err:  # a parent package is missing
+        found = not (err.name and name.startswith(err.name))
+    except Exception:  # a parent package fails to import in this process: the workers will say why
+        found = True
+    finally:
+        sys.path.pop(0)
+    if not found:
+        raise LaunchError(f"no module named {name} (run from the folder that holds it, or install it)")
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ours, rest = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    parser = argparse.ArgumentParser(prog="miniddp", description="Launch miniddp.train from an accelerate config.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    launch = sub.add_parser("launch", help="run miniddp.train with torchrun as FILE.yaml describes")
-    launch.add_argument("--config_file", required=True)
-    launch.add_argument("--machine_rank", type=int, default=None, help="overrides the YAML and SLURM_NODEID")
-    launch.add_argument("--dry_run", action="store_true", help="print the torchrun command and exit")
-    args = parser.parse_args(ours)
-    try:
-        cfg = read_config(args.config_file)
-        command = torchrun_args(cfg, machine_rank=args.machine_rank) + ["-m", "miniddp.train"] + train_flags(cfg, rest)
-    except (OSError, ValueError) as err:
-        print(f"miniddp launch: error: {err}", file=sys.stderr)
-        return 2
-    if args.dry_run:
-        print("torchrun " + " ".join(command))
+    if argv[:1] in (["-h"], ["--help"]):
+        print(f"usage: {USAGE}  (miniddp launch --help: the options)")
         return 0
+    try:
+        if argv[:1] != ["launch"]:
+            raise LaunchError(f"the command is `{USAGE}` (miniddp launch --help: the options)")
+        command, env, dry_run = launch_command(argv[1:])
+    except ValueError as err:  # LaunchError, or a SLURM variable that does not parse
+        print(f"miniddp launch: error: {' '.join(str(err).split())}", file=sys.stderr)  # one line, always
+        return 2
+    if dry_run:
+        print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " torchrun " + shlex.join(command))
+        return 0
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun  # the real torchrun, in this process
 
-    torchrun(command)
+    os.environ.update(env)
+    try:
+        torchrun(command)
+    except ChildFailedError as err:  # the worker printed its own traceback; torchrun's summary, not ours
+        print(err, file=sys.stderr)
+        code = err.get_first_failure()[1].exitcode
+        return code if 0 < code < 256 else 128 - code if code < 0 else 1
     return 0
 
 

@@ -1,5 +1,7 @@
-"""Launching: accelerate-style YAML -> torchrun, SLURM node ranks, two nodes on loopback."""
+"""Launching: `miniddp launch script.py` like `accelerate launch`, YAML -> torchrun, SLURM node ranks,
+one-line errors, and real runs: a user script on 2 processes, two nodes on loopback."""
 
+import json
 import os
 import random
 import socket
@@ -12,12 +14,19 @@ import torch
 import yaml
 
 from miniddp import TrainingConfig
-from miniddp.launch import main, notebook_launcher, read_config, torchrun_args, train_flags
+from miniddp.launch import main, notebook_launcher, read_config, split_argv, torchrun_args, train_flags
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "docs" / "examples"
+MINIDDP = Path(sys.executable).parent / "miniddp"  # the installed console script, beside this python
 TWO = {"num_machines": 2, "num_processes": 16, "machine_rank": 0, "main_process_ip": "10.0.0.1",
        "main_process_port": 29500, "same_network": True}
 
+
+def _env(**extra):
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+
+
+# --- the YAML -> torchrun arguments ---------------------------------------------------------------
 
 def test_example_yamls_are_valid():
     one, two = read_config(EXAMPLES / "one_machine.yaml"), read_config(EXAMPLES / "two_machines.yaml")
@@ -56,28 +65,202 @@ def test_bad_configs_are_explained(cfg, message):
         torchrun_args(cfg, environ={})
 
 
-def test_unknown_keys_and_other_distributed_types_are_refused(tmp_path):
-    (tmp_path / "a.yaml").write_text(yaml.safe_dump({"num_proceses": 2}))
-    with pytest.raises(ValueError, match="num_proceses"):
-        read_config(tmp_path / "a.yaml")
-    (tmp_path / "b.yaml").write_text(yaml.safe_dump({"distributed_type": "DEEPSPEED"}))
-    with pytest.raises(ValueError, match="DEEPSPEED"):
-        read_config(tmp_path / "b.yaml")
-
-
 def test_yaml_mixed_precision_and_cpu_reach_the_trainer_unless_overridden():
     assert train_flags({"mixed_precision": "bf16", "use_cpu": True}, ["--output_dir", "x"]) == [
-        "--output_dir", "x", "--mixed_precision", "bf16", "--ddp_backend", "gloo"]
+        "--output_dir", "x", "--mixed_precision", "bf16", "--use_cpu", "true"]
     assert train_flags({"mixed_precision": "bf16"}, ["--mixed_precision", "no"]) == ["--mixed_precision", "no"]
+    assert train_flags({"use_cpu": True}, ["--use_cpu=false"]) == ["--use_cpu=false"]
 
 
-def test_dry_run_prints_the_torchrun_command(capsys):
-    assert main(["launch", "--config_file", str(EXAMPLES / "two_machines.yaml"), "--machine_rank", "1",
-                 "--dry_run", "--", "--output_dir", "o"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith("torchrun --nnodes=2 --nproc-per-node=8 --node-rank=1")
-    assert "-m miniddp.train --output_dir o --mixed_precision bf16" in out
+# --- the command line: what belongs to the launcher, what to the script --------------------------
 
+def test_everything_after_the_script_or_module_is_the_scripts():
+    assert split_argv(["--num_processes", "2", "s.py", "--num_processes", "5", "-m", "x", "--", "--dry_run"]) == (
+        ["--num_processes", "2"], ["s.py"], ["--num_processes", "5", "-m", "x", "--", "--dry_run"])
+    assert split_argv(["--config_file=f.yaml", "-m", "miniddp.train", "--output_dir", "o", "s.py"]) == (
+        ["--config_file=f.yaml"], ["-m", "miniddp.train"], ["--output_dir", "o", "s.py"])
+    assert split_argv(["--dry_run"]) == (["--dry_run"], [], [])
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text("print('hello')\n")
+    return str(path)
+
+
+def _dry_run(capsys, *argv):
+    assert main(["launch", "--dry_run", *argv]) == 0
+    out, err = capsys.readouterr()
+    return out.strip(), err.strip()
+
+
+def test_dry_run_passes_script_arguments_through_untouched(capsys, script):
+    out, err = _dry_run(capsys, "--num_processes", "3", script, "--num_processes", "5", "--lr", "1e-3")
+    assert out == ("MINIDDP_MIXED_PRECISION=no MINIDDP_USE_CPU=false torchrun --standalone --nproc-per-node=3 "
+                   f"{script} --num_processes 5 --lr 1e-3")
+    assert err == ""  # the count was given: nothing to explain
+
+
+def test_without_a_count_one_process_per_gpu_else_two_on_the_cpu(capsys, script, monkeypatch):
+    gpus = torch.cuda.device_count()
+    out, err = _dry_run(capsys, script)
+    assert f"--nproc-per-node={gpus or 2} " in out
+    assert err == (f"miniddp launch: {gpus} process{'es' * (gpus > 1)}, one per visible GPU "
+                   f"(torch.cuda.device_count() = {gpus}); --num_processes N to choose" if gpus else
+                   "miniddp launch: 2 processes on the CPU: no GPU is visible; --num_processes N to choose")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    out, err = _dry_run(capsys, script)
+    assert "--nproc-per-node=4 " in out
+    assert err == "miniddp launch: 4 processes, one per visible GPU (torch.cuda.device_count() = 4); " \
+                  "--num_processes N to choose"
+
+
+def test_the_yaml_reaches_miniddp_train_as_flags_and_other_scripts_as_environment(capsys, script):
+    two = ["--config_file", str(EXAMPLES / "two_machines.yaml"), "--machine_rank", "1"]
+    out, _ = _dry_run(capsys, *two, "-m", "miniddp.train", "--output_dir", "o")
+    assert out == ("MINIDDP_MIXED_PRECISION=bf16 MINIDDP_USE_CPU=false torchrun --nnodes=2 --nproc-per-node=8 "
+                   "--node-rank=1 --master-addr=10.0.0.1 --master-port=29500 "
+                   "-m miniddp.train --output_dir o --mixed_precision bf16")
+    out, _ = _dry_run(capsys, *two, script, "--output_dir", "o")
+    assert out.startswith("MINIDDP_MIXED_PRECISION=bf16 ") and out.endswith(f"{script} --output_dir o")
+
+
+def test_the_count_flag_overrides_the_yaml(capsys, script):
+    out, _ = _dry_run(capsys, "--config_file", str(EXAMPLES / "one_machine.yaml"), "--num_processes", "4", script)
+    assert "MINIDDP_USE_CPU=true torchrun --standalone --nproc-per-node=4 " in out
+
+
+# --- bad input: one line naming the key and the fix, status 2, never a traceback ---------------------
+
+DS = "config: it needs `accelerate launch`; miniddp runs DDP only"
+BAD = {  # case: (YAML file or None, launcher arguments, the one line after "miniddp launch: error: ")
+    "malformed YAML": ("num_processes: [2\n", ["script.py"],
+                       "bad.yaml: not valid YAML at line 2, column 1 (expected ',' or ']', but got '<stream end>'); "
+                       "an accelerate config is one `key: value` per line"),
+    "num_processes: 2.9": ("num_processes: 2.9\n", ["script.py"],
+                           "bad.yaml: num_processes: 2.9 must be a whole number >= 1: set it to the total number of "
+                           "processes over all machines, e.g. `num_processes: 2`"),
+    "num_processes: true": ("num_processes: true\n", ["script.py"],
+                            "bad.yaml: num_processes: true must be a whole number >= 1: set it to the total number of "
+                            "processes over all machines, e.g. `num_processes: 2`"),
+    "num_machines: two": ('num_machines: "two"\n', ["script.py"],
+                          'bad.yaml: num_machines: "two" must be a whole number >= 1: set it to the number of '
+                          "machines, e.g. `num_machines: 1`"),
+    "port 70000": ("num_machines: 2\nnum_processes: 4\nmain_process_ip: 10.0.0.1\nmain_process_port: 70000\n",
+                   ["script.py"], "bad.yaml: main_process_port: 70000 must be a whole number in 1..65535: set it to "
+                                  "a free TCP port on machine 0, e.g. `main_process_port: 29500`"),
+    "port 0": ("main_process_port: 0\n", ["script.py"],
+               "bad.yaml: main_process_port: 0 must be a whole number in 1..65535: set it to a free TCP port on "
+               "machine 0, e.g. `main_process_port: 29500`"),
+    "--num_processes -1": (None, ["--num_processes", "-1", "script.py"],
+                           "argument --num_processes: -1 must be a whole number >= 1: give the total over all "
+                           "machines, e.g. --num_processes 2"),
+    "deepspeed_config": ("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n", ["script.py"],
+                         f"bad.yaml: this is a DeepSpeed {DS}"),
+    "DEEPSPEED": ("distributed_type: DEEPSPEED\n", ["script.py"], f"bad.yaml: this is a DeepSpeed {DS}"),
+    "fsdp_config": ("fsdp_config:\n  fsdp_sharding_strategy: FULL_SHARD\n", ["script.py"],
+                    f"bad.yaml: this is an FSDP {DS}"),
+    "FSDP": ("distributed_type: FSDP\n", ["script.py"], f"bad.yaml: this is an FSDP {DS}"),
+    "megatron_lm_config": ("megatron_lm_config:\n  megatron_lm_tp_degree: 2\n", ["script.py"],
+                           f"bad.yaml: this is a Megatron-LM {DS}"),
+    "MEGATRON_LM": ("distributed_type: MEGATRON_LM\n", ["script.py"], f"bad.yaml: this is a Megatron-LM {DS}"),
+    "no such script": (None, ["no_such_script.py", "--output_dir", "o"],
+                       "no such script: no_such_script.py (paths are relative to {cwd})"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_input_is_one_line_and_status_2(tmp_path, case):
+    text, argv, message = BAD[case]
+    (tmp_path / "script.py").write_text("print('hello')\n")
+    if text is not None:
+        (tmp_path / "bad.yaml").write_text(text)
+        argv = ["--config_file", "bad.yaml", *argv]
+    done = subprocess.run([str(MINIDDP), "launch", *argv], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                          timeout=60)  # the installed command, so that "no traceback" is checked for real
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    assert done.stderr == f"miniddp launch: error: {message.format(cwd=tmp_path.resolve())}\n"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--config_file", "f.yaml", "--", "--output_dir", "o"], "`--` is not used"),  # the old syntax
+    (["--num_proc", "2", "s.py"], "unknown option --num_proc"),
+    (["-m"], "-m needs a module name"),
+    (["-m", "no_such_package.train"], "no module named no_such_package.train"),
+    (["--num_processes", "2"], "name the script to run"),
+    (["--config_file", "missing.yaml", "{script}"], "--config_file missing.yaml: No such file"),
+    (["--machine_rank", "1", "{script}"], "machine_rank=1 must be 0 on a one-machine job"),
+    (["--config_file", "{yaml:mixed_precision: fp8}", "{script}"], "mixed_precision: \"fp8\": miniddp supports"),
+    (["--config_file", "{yaml:use_cpu: 'yes'}", "{script}"], 'use_cpu: "yes" must be true or false'),
+    (["--config_file", "{yaml:num_procs: 2}", "{script}"], "unknown key(s) ['num_procs']"),
+])
+def test_more_bad_input_in_process(tmp_path, script, capsys, argv, message):
+    def fill(word):
+        if word.startswith("{yaml:"):
+            (tmp_path / "c.yaml").write_text(word[6:-1] + "\n")
+            return str(tmp_path / "c.yaml")
+        return script if word == "{script}" else word
+    assert main(["launch", *map(fill, argv)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and message in err, err
+
+
+def test_an_unquoted_no_is_read_as_mixed_precision_no(tmp_path):
+    (tmp_path / "c.yaml").write_text("mixed_precision: no\n")  # YAML 1.1 reads `no` as false
+    assert read_config(tmp_path / "c.yaml")["mixed_precision"] == "no"
+
+
+# --- real runs: a user's script on 2 processes ----------------------------------------------------
+
+REPORT = """\
+import json, os, sys
+rank = os.environ["RANK"]
+seen = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MINIDDP_MIXED_PRECISION", "MINIDDP_USE_CPU")}
+with open(f"rank{rank}.json", "w") as f:
+    json.dump({**seen, "argv": sys.argv[1:]}, f)
+sys.exit(3 if os.environ.get("EXIT_3_ON_RANK") == rank else 0)
+"""
+
+
+def _launch(tmp_path, *argv, **env):
+    (tmp_path / "report.py").write_text(REPORT)
+    done = subprocess.run([str(MINIDDP), "launch", *argv], cwd=tmp_path, env=_env(**env), capture_output=True,
+                          text=True, timeout=120)
+    ranks = [json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")]
+    return done, sorted(ranks, key=lambda seen: int(seen["RANK"]))
+
+
+@pytest.mark.timeout(180)
+def test_a_script_runs_on_two_processes_with_its_arguments_and_the_yaml_settings(tmp_path):
+    (tmp_path / "cpu.yaml").write_text("distributed_type: MULTI_CPU\nnum_processes: 2\nmixed_precision: bf16\n"
+                                       "use_cpu: true\n")
+    args = ["--num_processes", "5", "--config_file", "x.yaml", "-m", "not.a.module", "--dry_run", "--", "two words"]
+    done, ranks = _launch(tmp_path, "--config_file", "cpu.yaml", "report.py", *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ranks == [{"RANK": str(r), "WORLD_SIZE": "2", "MINIDDP_MIXED_PRECISION": "bf16", "MINIDDP_USE_CPU": "true",
+                      "argv": args} for r in range(2)]
+
+
+@pytest.mark.timeout(180)
+def test_a_module_runs_with_the_default_count(tmp_path):
+    done, ranks = _launch(tmp_path, "-m", "report", "--output_dir", "o")  # cwd holds report.py, as `python -m`
+    assert done.returncode == 0, done.stderr[-3000:]
+    count = torch.cuda.device_count() or 2
+    assert [r["RANK"] for r in ranks] == [str(r) for r in range(count)] and ranks[0]["WORLD_SIZE"] == str(count)
+    assert ranks[0]["argv"] == ["--output_dir", "o"]
+    assert (ranks[0]["MINIDDP_MIXED_PRECISION"], ranks[0]["MINIDDP_USE_CPU"]) == ("no", "false")  # no config file
+    assert done.stderr.startswith(f"miniddp launch: {count} process")
+
+
+@pytest.mark.timeout(180)
+def test_a_failing_rank_fails_the_launch_with_its_exit_status(tmp_path):
+    done, ranks = _launch(tmp_path, "--num_processes", "2", "report.py", EXIT_3_ON_RANK="1")
+    assert done.returncode == 3 and len(ranks) == 2
+    assert "report.py FAILED" in done.stderr and "Traceback" not in done.stderr  # torchrun's summary, not ours
+
+
+# --- real runs: two nodes on loopback, the training CLI ---------------------------------------------
 
 def _free_port() -> int:
     """A free port below Linux's ephemeral range (32768+), where the OS places every port-0
@@ -98,10 +281,6 @@ TRAIN = ["--max_steps", "6", "--dataset_size", "256", "--eval_size", "64", "--di
          "--per_device_train_batch_size", "8", "--logging_steps", "3"]
 
 
-def _env():
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-
 @pytest.mark.timeout(300)
 def test_two_nodes_on_loopback_equal_one_node_with_four_processes(tmp_path):
     cfg = {"distributed_type": "MULTI_CPU", "num_machines": 2, "num_processes": 4, "machine_rank": 0,
@@ -109,8 +288,8 @@ def test_two_nodes_on_loopback_equal_one_node_with_four_processes(tmp_path):
     (tmp_path / "two.yaml").write_text(yaml.safe_dump(cfg))
     # output goes to files, not pipes: a pipe nobody reads fills up and blocks its node mid-training
     logs = [open(tmp_path / f"node{r}.log", "w+") for r in range(2)]
-    nodes = [subprocess.Popen([sys.executable, "-m", "miniddp.launch", "launch", "--config_file",
-                               str(tmp_path / "two.yaml"), "--machine_rank", str(r), "--",
+    nodes = [subprocess.Popen([str(MINIDDP), "launch", "--config_file", str(tmp_path / "two.yaml"),
+                               "--machine_rank", str(r), "-m", "miniddp.train",
                                "--output_dir", str(tmp_path / "two"), *TRAIN],
                               env=_env(), stdout=logs[r], stderr=subprocess.STDOUT)
              for r in range(2)]
@@ -140,8 +319,7 @@ def _notebook_job(config):
     from miniddp import Trainer
     from miniddp.tasks import make_task
 
-    model, train, evaluation, kind = make_task(config.model, config.dataset_size, config.eval_size, config.seed)
-    return Trainer(model, train, config, eval_dataset=evaluation, kind=kind).train()["global_step"]
+    return Trainer(args=config, **make_task(config)).train()["global_step"]
 
 
 def test_notebook_launcher_trains_on_two_ranks(tmp_path):

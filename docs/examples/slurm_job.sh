@@ -9,7 +9,8 @@
 # main_process_ip may stay empty in the YAML: the first host of SLURM_JOB_NODELIST is used.
 # machine_rank in the YAML is ignored under SLURM: each node's rank is its SLURM_NODEID
 # (a fixed machine_rank would make every node claim to be node 0 and the rendezvous hang).
-srun miniddp launch --config_file two_machines.yaml -- \
+# Your own script instead of the trainer: `srun miniddp launch --config_file two_machines.yaml train.py --lr 1e-3`.
+srun miniddp launch --config_file two_machines.yaml -m miniddp.train \
     --output_dir "$SLURM_SUBMIT_DIR/run-$SLURM_JOB_ID" --ddp_backend nccl --ddp_timeout 3600
 
 # The same without the YAML:

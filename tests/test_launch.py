@@ -256,7 +256,8 @@ def test_a_module_runs_with_the_default_count(tmp_path):
 @pytest.mark.timeout(180)
 def test_a_failing_rank_fails_the_launch_with_its_exit_status(tmp_path):
     done, ranks = _launch(tmp_path, "--num_processes", "2", "report.py", EXIT_3_ON_RANK="1")
-    assert done.returncode == 3 and len(ranks) == 2
+    # rank 1 exits 3 after writing its report; torchrun may stop rank 0 before it writes its own
+    assert done.returncode == 3 and "1" in {r["RANK"] for r in ranks}
     assert "report.py FAILED" in done.stderr and "Traceback" not in done.stderr  # torchrun's summary, not ours
 
 

@@ -105,6 +105,7 @@ def test_monitored_barrier_validates_its_timeout():
 
 
 def _every_rank_fails_in_the_same_collective(rank, world_size):
+    dist.barrier()  # all fail at the same moment, well within the 1 s that would make one "late"
     try:
         with naming_stalled_ranks("all-reduce of test #1"):
             raise RuntimeError("Connection reset by peer (simulated: the network failed under every rank)")

@@ -27,6 +27,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import sys
+import threading
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -225,10 +229,14 @@ def init_distributed(backend: str = "auto", timeout=DEFAULT_TIMEOUT_S, env: Dist
     if dist.is_initialized():  # already joined (e.g. a notebook cell run twice)
         return replace(env, backend=desync.backend_name(), device=device)
     kwargs = dict(backend=name, rank=env.rank, world_size=env.world_size, timeout=as_timedelta(timeout))
+    if env.source == "torchrun":
+        die_with_launcher()  # a killed torchrun must not leave its workers training on, unseen
     if env.world_size == 1:
         kwargs["store"] = dist.HashStore()  # nothing to meet: no port, no network
+    elif env.source == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        kwargs["store"] = restart_scoped_store(env, kwargs["timeout"])  # torchrun's store, fresh per restart
     elif env.source == "torchrun":
-        kwargs["init_method"] = "env://"  # lets torchrun hand us its own store
+        kwargs["init_method"] = "env://"  # rank 0 hosts a new store
     else:
         kwargs["init_method"] = f"tcp://{env.master_addr}:{env.master_port}"
     if name == "nccl":
@@ -239,3 +247,34 @@ def init_distributed(backend: str = "auto", timeout=DEFAULT_TIMEOUT_S, env: Dist
     dist.init_process_group(**kwargs)
     return replace(env, backend=name, device=device)
 # --8<-- [end:init_distributed]
+
+
+def die_with_launcher(poll_s: float = 1.0) -> None:
+    """End this worker (SIGTERM) when its launcher dies: a daemon thread watches the parent pid.
+
+    ``kill -9`` of torchrun leaves its workers running, orphaned: still training, still
+    holding the output directory's lock, and invisible to the next ``torchrun``.
+    (``prctl(PR_SET_PDEATHSIG)`` would fire when the *thread* that started us exits.)
+    """
+    launcher = os.getppid()
+
+    def watch():
+        while os.getppid() == launcher:
+            time.sleep(poll_s)
+        print(f"miniddp: the launcher (pid {launcher}) died; rank {os.environ.get('RANK')} stops",
+              file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+    threading.Thread(target=watch, name="miniddp-die-with-launcher", daemon=True).start()
+
+
+# --8<-- [start:restart_scoped_store]
+def restart_scoped_store(env: DistEnv, timeout) -> dist.Store:
+    """torchrun's agent store, under a prefix of its own for each restart attempt.
+
+    torch 2.13's ``env://`` reuses the agent's store across ``--max-restarts`` attempts
+    without a prefix, so a restarted gloo group can read the dead attempt's addresses
+    and fail ("Connection refused") or hang in ``connectFullMesh`` (3 of 4 restarts here).
+    """
+    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"miniddp/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+# --8<-- [end:restart_scoped_store]

@@ -15,6 +15,9 @@ from .sharding import ShardSampler
 from .averaging import average_gradients, ring_all_reduce
 from .config import TrainingConfig
 from .batches import EvalPrediction
+from .output_dir import OutputDirError
+from .nonfinite import NonFiniteLossError
+from .resume import SetupChangedError
 from .trainer import Trainer
 
 __version__ = "0.1.0"
@@ -26,6 +29,9 @@ __all__ = [
     "DistEnv",
     "DistributedDataParallel",
     "EvalPrediction",
+    "NonFiniteLossError",
+    "OutputDirError",
+    "SetupChangedError",
     "ShardSampler",
     "StalledRankError",
     "Trainer",

@@ -2,8 +2,9 @@
 
 What
     ``save_checkpoint`` writes ``output_dir/checkpoint-<step>/`` with the model,
-    optimizer, scheduler (and grad scaler) state from rank 0, each rank's RNG
-    states, the trainer's position in the data, and last a ``manifest.json`` of
+    optimizer, scheduler (and grad scaler) state from rank 0, each rank's own
+    ``rank_<rank>.pt`` (its RNG streams and the loss it has not yet reported),
+    the trainer's position in the data, and last a ``manifest.json`` of
     every file's size and SHA-256. It writes into a temporary directory and
     renames it into place, so a crash mid-save leaves the previous checkpoint
     intact and never a half-written one under the real name. ``load_checkpoint``
@@ -29,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import re
 import shutil
 from pathlib import Path
@@ -37,6 +37,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .output_dir import OutputDirError, atomic_save, atomic_write_text
+from .resume import rng_state
 from .timeouts import naming_stalled_ranks
 
 MANIFEST = "manifest.json"  # written last: its presence marks a complete checkpoint
@@ -61,20 +63,6 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def rng_state() -> dict:
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def step_of(path: Path) -> int:
     m = re.fullmatch(r"checkpoint-(\d+)", Path(path).name)
     return int(m.group(1)) if m else -1
@@ -87,38 +75,65 @@ def checkpoints(output_dir) -> list[Path]:
 
 
 # --8<-- [start:save]
-def save_checkpoint(output_dir, step: int, states: dict, rank: int, save_total_limit=None) -> Path:
-    """Every rank calls this. ``states``: name -> object for rank 0's files (model, optimizer...)."""
+def save_checkpoint(output_dir, step: int, states: dict, rank: int, save_total_limit=None, rank_state=None) -> Path:
+    """Every rank calls this. ``states``: name -> object for rank 0's files (model, optimizer...);
+    ``rank_state``: this rank's own (saved with its RNG streams in ``rank_<rank>.pt``)."""
     output_dir = Path(output_dir)
     final, tmp = output_dir / f"checkpoint-{step}", output_dir / f".checkpoint-{step}.tmp"
-    if rank == 0:
+
+    def begin():
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a crashed save
         tmp.mkdir(parents=True)
-    _barrier(f"barrier before writing checkpoint-{step}")
-    torch.save(rng_state(), tmp / f"rng_state_{rank}.pt")  # each rank's own random streams
-    if rank == 0:
-        for name, obj in states.items():
-            torch.save(obj, tmp / f"{name}.pt")
-    _barrier(f"barrier after writing checkpoint-{step}")  # every file is written
-    if rank == 0:
+
+    def write():
+        atomic_save({"rng": rng_state(), **(rank_state or {})}, tmp / f"rank_{rank}.pt")  # each rank's own
+        if rank == 0:
+            for name, obj in states.items():
+                atomic_save(obj, tmp / f"{name}.pt")
+
+    def publish():
         files = sorted(p.name for p in tmp.iterdir())
         manifest = {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in files}
-        (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": manifest}, indent=1))
+        atomic_write_text(tmp / MANIFEST, json.dumps({"step": step, "files": manifest}, indent=1))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)  # atomic on one filesystem: the checkpoint appears whole or not at all
         if save_total_limit:
             for old in checkpoints(output_dir)[:-save_total_limit]:
                 shutil.rmtree(old)
-    _barrier(f"barrier after publishing checkpoint-{step}")  # nobody reads it before it is whole
+
+    try:
+        on_every_rank(begin if rank == 0 else None, f"barrier before writing checkpoint-{step}")
+        on_every_rank(write, f"barrier after writing checkpoint-{step}")  # every file is written
+        on_every_rank(publish if rank == 0 else None, f"barrier after publishing checkpoint-{step}")  # then read it
+    except (OutputDirError, OSError):  # e.g. the disk filled up: give its space back, keep the older ones
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return final
 # --8<-- [end:save]
 
 
-def _barrier(what: str) -> None:
-    """A barrier whose timeout names the rank still writing (a slow disk) instead of "Timed out"."""
+# --8<-- [start:on_every_rank]
+def on_every_rank(fn, what: str, errors=(OutputDirError, OSError)):
+    """Run ``fn`` (or nothing, if None) on this rank; if it raised ``errors`` on any rank, raise the first
+    such rank's error on every rank. It is also a barrier whose timeout names the rank still working
+    (a slow disk) instead of "Timed out". Without it, a full disk on rank 0 is a hang on the others."""
+    try:
+        result, problem = (fn() if fn is not None else None), None
+    except errors as err:
+        result, problem = None, err
+    problems = [None] * dist.get_world_size()
     with naming_stalled_ranks(what):
-        dist.barrier()
+        dist.all_gather_object(problems, None if problem is None else (type(problem), str(problem)))
+    first = next((r for r, p in enumerate(problems) if p is not None), None)
+    if first is None:
+        return result
+    if first == dist.get_rank():
+        raise problem
+    kind, message = problems[first]
+    raise kind(f"rank {first}: {message}")  # the same type: callers catch it by type
+# --8<-- [end:on_every_rank]
 
 
 # --8<-- [start:load]
@@ -134,9 +149,9 @@ def load_checkpoint(path, rank: int) -> dict:
                                          "refusing to resume from a corrupt checkpoint.")
     loaded = {}
     for name in manifest:
-        if name.startswith("rng_state_") and name != f"rng_state_{rank}.pt":
-            continue
-        key = "rng_state" if name.startswith("rng_state_") else name[: -len(".pt")]
+        if name.startswith("rank_") and name != f"rank_{rank}.pt":
+            continue  # another rank's streams (a rank beyond the saved world size finds none)
+        key = "rank_state" if name.startswith("rank_") else name[: -len(".pt")]
         loaded[key] = torch.load(path / name, map_location="cpu", weights_only=True)
     return loaded
 # --8<-- [end:load]
@@ -162,17 +177,5 @@ def _check_is_checkpoint(path: Path) -> None:
 
 def load_checkpoint_on_every_rank(path, rank: int) -> dict:
     """Every rank calls this. If any rank cannot load ``path``, every rank raises the first such
-    rank's error (one all-gather), so a launcher prints it once instead of one rank failing alone."""
-    try:
-        loaded, problem = load_checkpoint(path, rank), None
-    except CHECKPOINT_ERRORS as err:
-        loaded, problem = None, err
-    problems = [None] * dist.get_world_size()
-    dist.all_gather_object(problems, None if problem is None else (type(problem).__name__, str(problem)))
-    first = next((r for r, p in enumerate(problems) if p is not None), None)
-    if first is None:
-        return loaded
-    if first == rank:
-        raise problem
-    kind, message = problems[first]
-    raise {e.__name__: e for e in CHECKPOINT_ERRORS}[kind](f"rank {first}: {message}")
+    rank's error, so a launcher prints it once instead of one rank failing alone."""
+    return on_every_rank(lambda: load_checkpoint(path, rank), f"loading {path}", errors=CHECKPOINT_ERRORS)

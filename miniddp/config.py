@@ -67,6 +67,8 @@ class TrainingConfig:
     save_steps: int = 0  # save a checkpoint every this many optimizer steps; 0: never
     save_total_limit: int | None = None  # keep at most this many checkpoints (oldest deleted); none: all
     resume_from_checkpoint: str | None = None  # a checkpoint-<step> directory, or latest (newest in output_dir)
+    resume_allow_changes: bool = False  # resume under another world size, batch, schedule or task (data order changes)
+    overwrite_output_dir: bool = False  # delete another run's results in output_dir instead of refusing to start
     ddp_backend: str = "auto"  # process-group backend; auto: from the device (gloo on CPU, nccl on CUDA)
     ddp_find_unused_parameters: bool = False  # DDP's find_unused_parameters: allow parameters without gradient
     ddp_bucket_cap_mb: float | None = None  # DDP's bucket_cap_mb in MiB; none: 1 MiB first, then 25 MiB

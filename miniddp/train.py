@@ -35,7 +35,7 @@ from dataclasses import fields
 
 from .config import TrainingConfig, choices, field_help
 
-BAD_FLAG, CANNOT_START = 2, 3  # exit statuses
+BAD_FLAG, CANNOT_START, DIVERGED = 2, 3, 4  # exit statuses
 RANK_0_FIRST_S = 5.0  # how long other ranks wait before exiting on an error rank 0 reports
 _BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
@@ -44,7 +44,8 @@ launch on several processes with torchrun:
   torchrun --standalone --nproc-per-node 2 -m miniddp.train --output_dir out
   torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr 10.0.0.1 \\
       --master-port 29500 -m miniddp.train --output_dir out --ddp_backend nccl
-exit status: 0 done, 2 bad flag or value, 3 the job could not start"""
+exit status: 0 done, 2 bad flag or value, 3 the job could not start (or could not write),
+  4 training diverged (NaN or inf loss: nothing written after the last checkpoint)"""
 
 
 def _bool(text: str) -> bool:
@@ -120,7 +121,10 @@ def main(argv=None) -> dict:
     import torch.distributed as dist  # torch-heavy imports after the flags are known to be good
 
     from .checkpoint import CHECKPOINT_ERRORS
+    from .output_dir import OutputDirError
+    from .resume import SetupChangedError
     from .tasks import make_task
+    from .nonfinite import NonFiniteLossError
     from .trainer import Trainer
 
     try:
@@ -129,8 +133,10 @@ def main(argv=None) -> dict:
         raise SystemExit(fail(err, CANNOT_START)) from None
     try:
         metrics = trainer.train()
-    except CHECKPOINT_ERRORS as err:  # a bad --resume_from_checkpoint: the same error on every rank
+    except (*CHECKPOINT_ERRORS, SetupChangedError, OutputDirError) as err:  # the same error on every rank
         raise SystemExit(fail(err, CANNOT_START)) from None
+    except NonFiniteLossError as err:
+        raise SystemExit(fail(err, DIVERGED)) from None
     if trainer.rank == 0:
         shown = {k: v for k, v in metrics.items() if k != "log_history"}
         print("final: " + ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items()))

@@ -9,9 +9,12 @@ What
     rank's random stream with ``seed + rank``, shards the data (``ShardSampler``),
     and trains: accumulation windows with ``no_sync`` on every micro-batch but the
     last, clipping after the sync, one optimizer and LR-schedule step per window,
-    autocast for bf16/fp16, evaluation, checkpoints and an exact resume. Batches
-    become losses in ``batches.py``: the loop knows no task. ``train()`` returns
-    the metrics it writes to ``output_dir/metrics.json``.
+    autocast for bf16/fp16, evaluation, checkpoints and an exact resume
+    (``resume.py``). ``train()`` owns ``output_dir`` while it runs (``output_dir.py``),
+    stops every rank at the first non-finite loss or gradient norm
+    (``NonFiniteLossError``, before the optimizer step), and returns the metrics it
+    writes to ``output_dir/metrics.json`` (strict JSON). Batches become losses in
+    ``batches.py``: the loop knows no task.
 
 Why
     The pieces are only understood once they run together. This loop is also the
@@ -32,7 +35,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import sys
 from contextlib import nullcontext
 from pathlib import Path
@@ -42,11 +44,14 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from .batches import compute_loss, count_items, evaluate
-from .checkpoint import checkpoints, load_checkpoint_on_every_rank, save_checkpoint, set_rng_state
+from .checkpoint import checkpoints, load_checkpoint_on_every_rank, on_every_rank, save_checkpoint
 from .config import TrainingConfig
 from .ddp import DistributedDataParallel, move_to
 from .env import init_distributed
 from .no_sync import accumulation_windows
+from .nonfinite import finite_or_null, grad_norm, stop_if_not_finite
+from .output_dir import atomic_save, atomic_write_text, bytes_to_save, claim_output_dir
+from .resume import compare_setups, epoch_batches, position_in_new_units, seed_per_rank, set_rng_state, setup_of
 from .sharding import ShardSampler
 
 
@@ -77,7 +82,8 @@ class Trainer:
         self.sampler = ShardSampler(train_dataset, num_replicas=self.world_size, rank=self.rank, shuffle=True,
                                     seed=args.seed)
         self.loader = DataLoader(train_dataset, batch_size=args.per_device_train_batch_size, sampler=self.sampler,
-                                 collate_fn=data_collator, pin_memory=self.device.type == "cuda")
+                                 collate_fn=data_collator, pin_memory=self.device.type == "cuda",
+                                 generator=torch.Generator())  # its own: iter() must not draw from torch's RNG
         # --8<-- [end:wrap]
         self.windows = accumulation_windows(len(self.loader), args.gradient_accumulation_steps)
         per_epoch = len(self.windows)  # optimizer steps per epoch
@@ -90,9 +96,11 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type) if args.mixed_precision == "fp16" else None
         # where we are, saved in checkpoints; loss_sum: the loss of every step so far, averaged over ranks
         self.state = {"global_step": 0, "epoch": 0, "window": 0, "loss_sum": 0.0, "logged_step": 0,
-                      "logged_loss": 0.0}
+                      "logged_loss": 0.0, "skipped_steps": 0}  # skipped: fp16 steps the GradScaler skipped
         self.pending_loss = torch.zeros((), dtype=torch.float64, device=self.device)  # this rank's, not yet in state
         self.log_history: list[dict] = []
+        self.setup = setup_of(args, self.world_size, len(train_dataset), self.model)  # a resume must match it
+        self.lock = None  # rank 0's lock on output_dir while train() runs
 
     # --8<-- [start:window]
     def _window_step(self, micro_batches) -> torch.Tensor:
@@ -114,10 +122,17 @@ class Trainer:
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         if self.args.max_grad_norm > 0:  # after the sync: every rank clips the same averaged gradient
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
+        else:
+            norm = grad_norm(self.model.parameters())
+        stop_if_not_finite(total, None if self.scaler else norm,  # fp16: the scaler skips inf gradients
+                           step=self.state["global_step"] + 1, output_dir=self.args.output_dir,
+                           learning_rate=self.args.learning_rate)
         if self.scaler:
+            scale = self.scaler.get_scale()
             self.scaler.step(self.optimizer)
             self.scaler.update()
+            self.state["skipped_steps"] += self.scaler.get_scale() < scale  # it skipped the step and backed off
         else:
             self.optimizer.step()
         self.scheduler.step()
@@ -136,15 +151,24 @@ class Trainer:
     def train(self, resume_from_checkpoint: str | None = None) -> dict:
         """Train for max_steps (or num_train_epochs), resuming first if asked (here or in args)."""
         where = resume_from_checkpoint or self.args.resume_from_checkpoint
-        if where:
-            self._resume(where)
+        self._claim_output_dir(where)
+        try:
+            if where:
+                self._resume(where)
+            self._loop()
+            return self._finish()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+                self.lock = None
+
+    def _loop(self) -> None:
         progress = self._progress_bar()
         while self.state["global_step"] < self.max_steps:
-            self.sampler.set_epoch(self.state["epoch"])  # a new shuffle each epoch, the same on every rank
-            batches = iter(self.loader)
-            for length in self.windows[: self.state["window"]]:  # resume: skip windows already trained
-                for _ in range(length):
-                    next(batches)
+            epoch = self.state["epoch"]
+            self.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+            self.loader.generator.manual_seed(hash((self.args.seed, self.rank, epoch)))  # workers' base seed
+            batches = epoch_batches(self.loader, skip=sum(self.windows[: self.state["window"]]))  # resume: skip
             for length in self.windows[self.state["window"]:]:
                 self.pending_loss += self._window_step([next(batches) for _ in range(length)])
                 self.state["window"] += 1
@@ -157,7 +181,16 @@ class Trainer:
                 self.state["window"] = 0
         if progress is not None:
             progress.close()
-        return self._finish()
+
+    def _claim_output_dir(self, where) -> None:
+        """Rank 0 locks output_dir and checks it (see output_dir.py); its error is every rank's."""
+        out = Path(self.args.output_dir).resolve()
+        resuming = where == "latest" or (where is not None and out in Path(where).resolve().parents)
+        need = bytes_to_save(self.model, optimizer_copies=2, checkpoints=self.args.save_steps > 0)
+
+        def claim():
+            return claim_output_dir(out, resuming=resuming, overwrite=self.args.overwrite_output_dir, need_bytes=need)
+        self.lock = on_every_rank(claim if self.rank == 0 else None, "claiming output_dir")
 
     def _after_step(self, progress) -> None:
         step, args = self.state["global_step"], self.args
@@ -181,12 +214,15 @@ class Trainer:
         self.pending_loss.zero_()
 
     def save(self, step: int) -> Path:
-        self._flush_loss()  # the saved state holds every step's loss
+        trainer_state = {**self.state, "log_history": list(self.log_history), "setup": self.setup}
         states = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                  "scheduler": self.scheduler.state_dict(), "trainer_state": dict(self.state)}
+                  "scheduler": self.scheduler.state_dict(), "trainer_state": trainer_state}
         if self.scaler:
             states["scaler"] = self.scaler.state_dict()
-        return save_checkpoint(self.args.output_dir, step, states, self.rank, self.args.save_total_limit)
+        # each rank's unreported loss travels in its own file: no all-reduce here, so a save does not
+        # change how the losses are summed, and train_loss is the same with or without interruptions
+        return save_checkpoint(self.args.output_dir, step, states, self.rank, self.args.save_total_limit,
+                               rank_state={"pending_loss": self.pending_loss.cpu()})
 
     def _resume(self, where) -> None:
         path = where
@@ -199,14 +235,25 @@ class Trainer:
                 return
             path = found[-1]
         state = load_checkpoint_on_every_rank(path, self.rank)
+        trainer_state = dict(state["trainer_state"])
+        saved_setup = trainer_state.pop("setup")
+        notice = compare_setups(saved_setup, self.setup, self.args.resume_allow_changes, path)  # or raise
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
-        self.state.update(state["trainer_state"])
-        if "rng_state" in state:
-            set_rng_state(state["rng_state"])
+        self.log_history = trainer_state.pop("log_history")
+        self.state.update(trainer_state)
+        if "rank_state" in state:  # absent for a rank beyond the saved world size (resume_allow_changes)
+            set_rng_state(state["rank_state"]["rng"])
+            self.pending_loss.copy_(state["rank_state"]["pending_loss"])
+        if notice:
+            if self.rank == 0:
+                print(f"miniddp: {notice}", file=sys.stderr, flush=True)
+            self.state["window"] = position_in_new_units(saved_setup, self.setup, self.state["window"])
+            if self.state["window"] >= len(self.windows):
+                self.state.update(epoch=self.state["epoch"] + 1, window=0)
 
     def _progress_bar(self):
         if self.rank != 0 or self.args.disable_tqdm:
@@ -227,21 +274,16 @@ class Trainer:
                    "effective_batch_size": args.effective_batch_size(self.world_size),
                    "global_step": self.state["global_step"],
                    "train_loss": self.state["loss_sum"] / max(1, self.state["global_step"]),
+                   **({"fp16_skipped_steps": self.state["skipped_steps"]} if self.scaler else {}),
                    **self.evaluate(), "log_history": self.log_history}
-        if self.rank == 0:
+
+        def write():  # each atomically: a crash or a full disk leaves the previous version whole
             out = Path(args.output_dir)
-            out.mkdir(parents=True, exist_ok=True)
-            torch.save(self.model.state_dict(), out / "final_model.pt")
-            (out / "metrics.json").write_text(json.dumps({**metrics, "config": args.to_dict()}, indent=2) + "\n")
-        dist.barrier()
+            atomic_save(self.model.state_dict(), out / "final_model.pt")
+            strict = json.dumps(finite_or_null({**metrics, "config": args.to_dict()}), indent=2, allow_nan=False)
+            atomic_write_text(out / "metrics.json", strict + "\n")
+        on_every_rank(write if self.rank == 0 else None, "writing final_model.pt and metrics.json")
         return metrics
-
-
-def seed_per_rank(seed: int, rank: int) -> None:
-    """Seed Python's and torch's generators (CUDA's too) with ``seed + rank``: each rank its own
-    dropout masks, reproducibly (Accelerate's ``set_seed(seed, device_specific=True)``)."""
-    random.seed(seed + rank)
-    torch.manual_seed(seed + rank)
 
 
 def _enable_gradient_checkpointing(model, broadcast_buffers: bool) -> None:

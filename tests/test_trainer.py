@@ -146,14 +146,14 @@ def _crash_mid_save(rank, world_size, out):
     import miniddp.checkpoint as ck
 
     cfg = {"max_steps": 4, "save_steps": 2, "output_dir": out, "per_device_train_batch_size": 8}
-    real_save = torch.save
+    real_save = ck.atomic_save
 
-    def flaky(obj, path, *a, **k):
+    def flaky(obj, path):
         if "checkpoint-4" in str(path) and str(path).endswith("optimizer.pt"):
             raise OSError("disk full (simulated)")
-        return real_save(obj, path, *a, **k)
+        return real_save(obj, path)
 
-    ck.torch.save = flaky  # the checkpoint module's torch.save, in this rank's process only
+    ck.atomic_save = flaky  # the checkpoint module's writer, in this rank's process only
     try:
         _train(rank, world_size, cfg)
     except OSError:

@@ -221,9 +221,9 @@ def _dropout_masks(rank, world_size, out, seed):
 
 
 def test_each_rank_draws_its_own_dropout_masks_reproducibly(tmp_path):
-    first = run_on_ranks(_dropout_masks, 2, args=(str(tmp_path), 42), init=False)
+    first = run_on_ranks(_dropout_masks, 2, args=(str(tmp_path / "a"), 42), init=False)
     assert not torch.equal(first[0], first[1])  # same shapes, different masks: seed + rank
-    again = run_on_ranks(_dropout_masks, 2, args=(str(tmp_path), 42), init=False)
+    again = run_on_ranks(_dropout_masks, 2, args=(str(tmp_path / "b"), 42), init=False)
     assert all(torch.equal(a, b) for a, b in zip(first, again))  # a function of seed and rank
-    other_seed = run_on_ranks(_dropout_masks, 2, args=(str(tmp_path), 43), init=False)
+    other_seed = run_on_ranks(_dropout_masks, 2, args=(str(tmp_path / "c"), 43), init=False)
     assert torch.equal(other_seed[0], first[1])  # rank 0 of seed 43 is rank 1 of seed 42, as in Accelerate

@@ -28,7 +28,11 @@ How torch differs
     ``naming_stalled_ranks`` does the same *after* a collective failed: the
     ranks whose collective timed out (or lost a peer) check in through the store,
     and those that never do are the stalled or dead ones. torch's gloo error
-    ("Timed out waiting 20000ms for recv") names nobody.
+    ("Timed out waiting 20000ms for recv") names nobody. Across hosts the store
+    itself may be cut off: a TCPStore read across a dead link blocks until the
+    kernel gives up on the connection (a timed-out wait sends a cancellation and
+    reads its answer with no timeout), so the check-in runs in a thread, is given
+    up after ``STORE_ANSWER_S``, and the error names the store's host instead.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import threading
 import time
 from contextlib import contextmanager
 from datetime import timedelta
@@ -72,11 +77,6 @@ def as_timedelta(timeout, name: str = "ddp_timeout") -> timedelta:
         )
     return timedelta(seconds=seconds)
 # --8<-- [end:as_timedelta]
-
-
-def init_process_group(backend: str, timeout=DEFAULT_TIMEOUT_S, **kwargs) -> None:
-    """``torch.distributed.init_process_group`` with a validated ``ddp_timeout``."""
-    dist.init_process_group(backend=backend, timeout=as_timedelta(timeout), **kwargs)
 
 
 def nccl_watchdog_env(blocking_wait: bool = False) -> dict[str, str]:
@@ -139,22 +139,108 @@ def monitored_barrier(timeout=60, store=None, group=None) -> None:
 # --8<-- [end:monitored_barrier]
 
 
-# Words in the errors gloo and NCCL raise when a peer is late or gone (a timeout, a closed socket).
-_COMM_FAILURE = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe")
+# Words in the errors gloo and NCCL raise when a peer is late, gone or cut off (a timeout, a closed
+# socket, a route that vanished with a link: gloo's "Read error [10.0.0.2]:4242: No route to host").
+_COMM_FAILURE = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "connection refused",
+                 "no route to host", "network is unreachable", "read error", "write error")
+
+#: Seconds the store may take, beyond the grace, to answer a failed rank's check-in. A store op
+#: takes milliseconds; one that has not answered in seconds is on a host that is down or cut off,
+#: where a TCPStore read blocks until the kernel gives up on the connection (15 min by default).
+STORE_ANSWER_S = 5.0
+
+_here_cache: dict = {}  # store host -> this process's "host at address", found while the network worked
 
 
 def announce_process(group=None) -> None:
-    """Write ``host:pid`` of this rank to the store, so an error elsewhere can point at it (``py-spy dump``)."""
+    """Write ``host:pid`` of this rank to the store, so an error elsewhere can point at it (``py-spy dump``).
+
+    Across hosts, the host carries the address this rank reaches the store from
+    (``node07 at 10.0.0.2``): the address to ``ping`` when a link goes down.
+    """
     store = dist.distributed_c10d._get_default_store()
-    store.set(f"miniddp/process/{dist.get_rank()}", f"{socket.gethostname()}:{os.getpid()}")
+    store.set(f"miniddp/process/{dist.get_rank()}", f"{_here(store)}:{os.getpid()}")
+
+
+def _here(store) -> str:
+    """This host's name, and across hosts the address it reaches the store from: ``node07 at 10.0.0.2``."""
+    peer = _store_address(store)[0]
+    if peer not in _here_cache:  # once: when the link is down there is no route to find the address by
+        address = _local_address(peer)
+        _here_cache[peer] = socket.gethostname() + (f" at {address}" if address else "")
+    return _here_cache[peer]
+
+
+def _store_address(store) -> tuple[str | None, int | None]:
+    """Where the job's store listens: the TCPStore under the prefixes, else MASTER_ADDR and MASTER_PORT."""
+    while hasattr(store, "underlying_store"):  # PrefixStore(s) over the real one
+        store = store.underlying_store
+    host, port = getattr(store, "host", None), getattr(store, "port", None)
+    if host:
+        return host, port
+    port = os.environ.get("MASTER_PORT")
+    return os.environ.get("MASTER_ADDR"), int(port) if port and port.isdigit() else None
+
+
+def _local_address(peer: str | None) -> str | None:
+    """The address this machine reaches ``peer`` from (a UDP connect sends nothing); None on loopback."""
+    if not peer:
+        return None
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in peer else socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((peer, 9))
+            address = s.getsockname()[0]
+    except OSError:
+        return None
+    return None if address.startswith("127.") or address == "::1" else address
 
 
 def _where(store, rank: int) -> str:
     try:
-        host, pid = store.get(f"miniddp/process/{rank}").decode().rsplit(":", 1)
+        key = f"miniddp/process/{rank}"
+        if not store.check([key]):  # not announced: a get would wait for it until the store's timeout
+            return f"rank {rank}"
+        host, pid = store.get(key).decode().rsplit(":", 1)
         return f"rank {rank} (pid {pid} on {host})"
-    except Exception:  # not announced, or the store is gone with its host
+    except Exception:  # the store is gone with its host
         return f"rank {rank}"
+
+
+def _check_in(store, what: str, ranks: list[int], me: int, grace: float) -> dict:
+    """Post "I was waiting in ``what``", give the others ``grace`` s to do the same, and read who did.
+
+    Every store operation of the check-in is here, so that the caller can give up on all of them
+    at once when the store does not answer.
+    """
+    store.set(f"stall/{what}/{me}", repr(time.time()))
+    store.set(f"stall-in/{me}", what)  # for a rank that failed in another collective than ours
+    deadline = time.monotonic() + grace
+    while True:
+        missing = [r for r in ranks if not store.check([f"stall/{what}/{r}"])]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    posted = {r: float(store.get(f"stall/{what}/{r}")) for r in ranks if r not in missing}
+    elsewhere = {r: store.get(f"stall-in/{r}").decode() for r in missing if store.check([f"stall-in/{r}"])}
+    first = min(posted.values())
+    late = [r for r, t in posted.items() if t - first > grace / 2]  # came after the others gave up
+    absent = [r for r in missing if r not in elsewhere]
+    return {"absent": absent, "elsewhere": elsewhere, "posted": posted, "late": late, "first": first,
+            "where": {r: _where(store, r) for r in absent + late}}
+
+
+def _unreachable_store(store, what: str, me: int, waited: float, problem) -> str:
+    """The message when the store itself cannot be reached: it names the store's host, the peer cut off."""
+    host, port = _store_address(store)
+    store_at = f"{host}:{port}" if host else "the job's store"
+    if problem is None:
+        how = (f"did not answer within {waited:.0f} s: that host is down or unreachable from this one "
+               "(a cable, switch or firewall between them)")
+    else:
+        how = (f"failed ({type(problem).__name__}: {' '.join(str(problem).split())[:200]}): "
+               "its host, or the launcher that served it, is gone")
+    return (f"rank {me} on {_here(store)}: the {what} failed, and the store at {store_at} (the job's rendezvous "
+            f"host, where rank 0 runs) {how}. Check that host, and the network from here (`ping {host}`)")
 
 
 # --8<-- [start:naming_stalled_ranks]
@@ -166,39 +252,54 @@ def naming_stalled_ranks(what: str, group=None, grace: float = 2.0):
     (e.g. "bucket all-reduce of backward #12"). A rank whose collective failed
     writes the time to ``stall/<what>/<rank>``, then gives the others ``grace``
     seconds to do the same: whoever has not written by then was not waiting in
-    this collective (stalled elsewhere, or dead); whoever wrote much later than
-    the first was the slow one; if all wrote at once, the transport failed.
+    this collective (stalled elsewhere, dead or cut off; or failed in another
+    collective, which it says); whoever wrote much later than the first was the
+    slow one; if all wrote at once, the transport failed. The store may be on a
+    host that is down or cut off, where its reads block: the check-in runs in a
+    thread, and when it has not answered ``STORE_ANSWER_S`` after the grace, the
+    error names the store's host as unreachable instead of hanging.
     """
     try:
         yield
     except RuntimeError as err:
         if isinstance(err, StalledRankError) or not any(w in str(err).lower() for w in _COMM_FAILURE):
             raise
-        try:
-            store = dist.distributed_c10d._get_default_store()
-            ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-            store.set(f"stall/{what}/{dist.get_rank()}", repr(time.time()))
-            deadline = time.monotonic() + grace
-            while True:
-                missing = [r for r in ranks if not store.check([f"stall/{what}/{r}"])]
-                if not missing or time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-            posted = {r: float(store.get(f"stall/{what}/{r}")) for r in ranks if r not in missing}
-        except Exception:  # the store is unreachable (its host died): keep the original error
-            raise err from None
-        first = min(posted.values())
-        late = [r for r, t in posted.items() if t - first > grace / 2]  # came after the others gave up
-        if missing:
-            names = ", ".join(_where(store, r) for r in missing)
-            message = (f"{names} never reached the {what}: stalled in other code, or dead. Ranks {sorted(posted)} "
-                       "were waiting. Look at what it was doing (`py-spy dump --pid PID` on its host, its log)")
+        store = dist.distributed_c10d._get_default_store()
+        ranks, me = dist.get_process_group_ranks(group or dist.group.WORLD), dist.get_rank()
+        answer: dict = {}
+
+        def check_in():
+            try:
+                answer.update(_check_in(store, what, ranks, me, grace))
+            except Exception as problem:  # the store's server died with its host or launcher
+                answer["problem"] = problem
+
+        start = time.monotonic()
+        thread = threading.Thread(target=check_in, name="miniddp-check-in", daemon=True)
+        thread.start()
+        thread.join(grace + STORE_ANSWER_S)  # never wait for good on a store across a dead link
+        if thread.is_alive() or "problem" in answer:
+            message = _unreachable_store(store, what, me, time.monotonic() - start, answer.get("problem"))
+            raise StalledRankError(f"{message}; the original error follows.\n{err}", []) from err
+        absent, elsewhere, posted, late, where = (answer[k] for k in ("absent", "elsewhere", "posted", "late", "where"))
+        others = "".join(f"; rank {r} was waiting in the {w}" for r, w in sorted(elsewhere.items()))
+        if absent:
+            here = _here(store)
+            away = "" if any(where[r].endswith(f" on {here})") or "(pid" not in where[r] for r in absent) else (
+                f" (or cut off by the network from this host, {here})")
+            message = (f"{', '.join(where[r] for r in absent)} never reached the {what}: stalled in other code, or "
+                       f"dead{away}. Ranks {sorted(posted)} were waiting{others}. Look at what it was doing "
+                       "(`py-spy dump --pid PID` on its host, its log)")
         elif late:
-            message = (f"{', '.join(_where(store, r) for r in late)} reached the {what} "
-                       f"{max(posted[r] for r in late) - first:.1f} s after the other ranks had given up waiting: "
-                       "it was the slow one (a long save, evaluation or data loading on that rank alone?)")
+            message = (f"{', '.join(where[r] for r in late)} reached the {what} "
+                       f"{max(posted[r] for r in late) - answer['first']:.1f} s after the other ranks had given up "
+                       "waiting: it was the slow one (a long save, evaluation or data loading on that rank alone?)")
+        elif elsewhere:  # every rank was in a collective when it failed, but not all in the same one
+            message = (f"every rank was waiting in a collective and they failed together: ranks {sorted(posted)} in "
+                       f"the {what}{others}. The network or the backend failed, not a stalled rank (unless the "
+                       "ranks issue collectives in different orders: MINIDDP_DEBUG=collectives)")
         else:  # everyone was there at once: the transport failed, not a rank
             message = (f"every rank was waiting in the {what} and it still failed: the network or the backend, "
                        "not a stalled rank (NCCL_DEBUG=INFO; the interfaces: GLOO/NCCL_SOCKET_IFNAME)")
-        raise StalledRankError(f"{message}; the original error follows.\n{err}", missing or late) from err
+        raise StalledRankError(f"{message}; the original error follows.\n{err}", absent or late) from err
 # --8<-- [end:naming_stalled_ranks]

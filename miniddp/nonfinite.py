@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import checkpoints
+from .timeouts import naming_stalled_ranks
 
 
 class NonFiniteLossError(RuntimeError):
@@ -52,7 +53,8 @@ def stop_if_not_finite(loss: torch.Tensor, norm: torch.Tensor | None, *, step: i
     mine = torch.stack([loss.double(), torch.zeros_like(loss, dtype=torch.float64) if norm is None
                         else norm.double().to(loss.device)])
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)  # every rank sees every rank's values: they all decide alike
+    with naming_stalled_ranks(f"non-finite check of step {step}"):
+        dist.all_gather(everyone, mine)  # every rank sees every rank's values: they all decide alike
     table = torch.stack(everyone).tolist()
     bad = [r for r, (value, n) in enumerate(table) if not (math.isfinite(value) and math.isfinite(n))]
     if bad:

@@ -35,7 +35,7 @@ from dataclasses import fields
 
 from .config import TrainingConfig, choices, field_help
 
-BAD_FLAG, CANNOT_START, DIVERGED = 2, 3, 4  # exit statuses
+BAD_FLAG, CANNOT_START, DIVERGED, PEER_LOST = 2, 3, 4, 5  # exit statuses
 RANK_0_FIRST_S = 5.0  # how long other ranks wait before exiting on an error rank 0 reports
 _BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
@@ -45,7 +45,8 @@ launch on several processes with torchrun:
   torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr 10.0.0.1 \\
       --master-port 29500 -m miniddp.train --output_dir out --ddp_backend nccl
 exit status: 0 done, 2 bad flag or value, 3 the job could not start (or could not write),
-  4 training diverged (NaN or inf loss: nothing written after the last checkpoint)"""
+  4 training diverged (NaN or inf loss: nothing written after the last checkpoint),
+  5 a peer stalled, died or became unreachable (each rank says which, from where it stands)"""
 
 
 def _bool(text: str) -> bool:
@@ -70,7 +71,7 @@ class _OneLineParser(argparse.ArgumentParser):
         raise SystemExit(fail(message, BAD_FLAG))
 
 
-def fail(message: str, status: int) -> int:
+def fail(message: str, status: int, every_rank: bool = False) -> int:
     """Say ``message`` once (rank 0) and in torchrun's error file (every rank); return ``status``.
 
     Under torchrun the other ranks wait a little before exiting: torchrun stops every worker
@@ -78,7 +79,9 @@ def fail(message: str, status: int) -> int:
     other rank failed, torchrun's summary still shows the line, from that rank's error file).
     """
     line = " ".join(str(message).split())  # one line, whatever the exception's text looked like
-    if os.environ.get("RANK", "0") == "0":  # under torchrun, only rank 0 speaks
+    if every_rank:  # each rank's own view (which peer it lost): every rank speaks, at once
+        print(f"miniddp-train: error: rank {os.environ.get('RANK', '0')}: {line}", file=sys.stderr, flush=True)
+    elif os.environ.get("RANK", "0") == "0":  # under torchrun, only rank 0 speaks
         print(f"miniddp-train: error: {line}", file=sys.stderr, flush=True)
     else:
         time.sleep(RANK_0_FIRST_S)
@@ -125,6 +128,7 @@ def main(argv=None) -> dict:
     from .resume import SetupChangedError
     from .tasks import make_task
     from .nonfinite import NonFiniteLossError
+    from .timeouts import StalledRankError
     from .trainer import Trainer
 
     try:
@@ -137,6 +141,8 @@ def main(argv=None) -> dict:
         raise SystemExit(fail(err, CANNOT_START)) from None
     except NonFiniteLossError as err:
         raise SystemExit(fail(err, DIVERGED)) from None
+    except StalledRankError as err:  # a peer stalled, died or is cut off: named by naming_stalled_ranks
+        raise SystemExit(fail(err, PEER_LOST, every_rank=True)) from None
     if trainer.rank == 0:
         shown = {k: v for k, v in metrics.items() if k != "log_history"}
         print("final: " + ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items()))

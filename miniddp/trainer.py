@@ -53,6 +53,7 @@ from .nonfinite import finite_or_null, grad_norm, stop_if_not_finite
 from .output_dir import atomic_save, atomic_write_text, bytes_to_save, claim_output_dir
 from .resume import compare_setups, epoch_batches, position_in_new_units, seed_per_rank, set_rng_state, setup_of
 from .sharding import ShardSampler
+from .timeouts import naming_stalled_ranks
 
 
 class Trainer:
@@ -144,7 +145,8 @@ class Trainer:
         if self.compute_loss_func is None:
             return None
         count = sum(count_items(b) for b in micro_batches).to(self.device)  # counted where the labels are
-        dist.all_reduce(count)
+        with naming_stalled_ranks(f"item count of step {self.state['global_step'] + 1}"):
+            dist.all_reduce(count)
         return count
     # --8<-- [end:window]
 
@@ -209,7 +211,8 @@ class Trainer:
 
     def _flush_loss(self) -> None:
         """Move the pending window losses, averaged over ranks, into state (one all-reduce, one host sync)."""
-        dist.all_reduce(self.pending_loss)
+        with naming_stalled_ranks(f"loss all-reduce after step {self.state['global_step']}"):
+            dist.all_reduce(self.pending_loss)
         self.state["loss_sum"] += self.pending_loss.item() / self.world_size
         self.pending_loss.zero_()
 

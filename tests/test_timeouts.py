@@ -65,7 +65,7 @@ def test_stalled_rank_makes_its_peer_raise_within_the_timeout(backend):
     elapsed = time.monotonic() - start
     assert info.value.rank == 0  # the waiting rank is the one that raises
     assert re.search(r"time(d)?\s?out", str(info.value), re.IGNORECASE), str(info.value)
-    assert elapsed < 10, f"peer took {elapsed:.1f} s to notice a 3 s timeout"
+    assert elapsed < 15, f"peer took {elapsed:.1f} s to notice a 3 s timeout"  # start-up + 3 s + grace, loaded
 # --8<-- [end:stall]
 
 

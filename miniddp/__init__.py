@@ -10,6 +10,7 @@ from .timeouts import DEFAULT_TIMEOUT_S, StalledRankError, as_timedelta, monitor
 from .desync import CollectiveMismatchError
 from .bucketing import compute_bucket_assignment
 from .ddp import DistributedDataParallel
+from . import comm_hooks  # miniddp.comm_hooks.allreduce_hook, ..., PowerSGDState, powerSGD_hook
 from .no_sync import accumulation_windows, no_sync, should_sync
 from .sharding import ShardSampler
 from .averaging import average_gradients, ring_all_reduce
@@ -39,6 +40,7 @@ __all__ = [
     "accumulation_windows",
     "as_timedelta",
     "average_gradients",
+    "comm_hooks",
     "compute_bucket_assignment",
     "device_for_local_rank",
     "init_distributed",

@@ -4,8 +4,8 @@ What
     ``compute_bucket_assignment`` groups parameters into buckets of about
     ``bucket_cap_mb``; a ``Bucket`` owns one flat buffer that its gradients are
     copied into (or that ``.grad`` is a view of, ``gradient_as_bucket_view``);
-    ``Reducer`` (in ``reducer.py``) launches each bucket's all-reduce as soon as
-    its last gradient is ready.
+    ``Reducer`` (in ``reducer.py``) hands each bucket to the communication hook
+    (an all-reduce by default) as soon as its last gradient is ready.
 
 Why
     One all-reduce per parameter pays a fixed latency hundreds of times per step;
@@ -28,14 +28,17 @@ How torch differs
     bucket holding everything and relies on the rebuild after the first
     iteration; we always start from the reversed registration-order buckets, so
     even the first iteration overlaps.
-    Each of our buffers carries one extra slot per parameter that counts the ranks
-    that produced a gradient for it; torch sends a separate bitmap for that, and
-    only when ``find_unused_parameters=True``.
+    The buffer holds gradients only, so that a comm hook (``comm_hooks.py``) may
+    compress it: which ranks produced which gradient travels separately
+    (``unused.UsedCounts``).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+
+from .comm_hooks import GradBucket
 
 MiB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25  # torch's bucket_cap_mb default
@@ -81,59 +84,86 @@ def compute_bucket_assignment(tensors, bucket_size_limits) -> list[list[int]]:
 class Bucket:
     """One flat buffer for a group of same-dtype, same-device parameters.
 
-    Layout: ``[grad of params[0] | grad of params[1] | ... | used[0] used[1] ...]``.
-    The ``used`` slots say how many ranks produced a gradient for each parameter
-    once the buffer has been summed: every rank writes 1 for a gradient it has, 0
-    for one it lacks (an unused parameter), so no extra collective is needed.
+    Layout: ``[grad of params[0] | grad of params[1] | ...]``; ``views[k]`` is
+    params[k]'s slice, shaped like it. With ``gradient_as_bucket_view`` the
+    reducer makes ``.grad`` *be* that view, so backward accumulates straight
+    into the buffer and nothing is copied in or out.
     """
 
-    def __init__(self, index: int, params: list[torch.Tensor], names: list[str]):
+    def __init__(self, index: int, params: list[torch.Tensor], names: list[str], indices: list[int]):
         self.index = index  # position in reduction order
         self.params = params  # the parameters whose gradients live here
         self.names = names  # their qualified names, for errors and bucket_assignment
-        numel = sum(p.numel() for p in params)
-        self.buffer = torch.zeros(numel + len(params), dtype=params[0].dtype, device=params[0].device)
-        self.grads = self.buffer[:numel]  # the gradient region
-        self.used = self.buffer[numel:]  # one counter per parameter
-        self.used.fill_(1)
-        self.views: list[torch.Tensor] = []  # views[k]: params[k]'s slice, shaped like it
-        offset = 0
-        for p in params:
-            self.views.append(self.grads[offset : offset + p.numel()].view(p.shape))
+        self.indices = indices  # their positions in the reducer's parameter list
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        self.views = self.split(self.buffer)  # views[k]: params[k]'s slice, shaped like it
+
+    def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """``flat`` (this bucket's layout) cut into one view per parameter."""
+        views, offset = [], 0
+        for p in self.params:
+            views.append(flat[offset : offset + p.numel()].view(p.shape))
             offset += p.numel()
-        self.pending = len(params)  # gradients still missing in this backward
-        self.work = None  # the async all-reduce handle once launched
+        return views
 
     @property
     def nbytes(self) -> int:
-        return self.grads.numel() * self.grads.element_size()
+        return self.buffer.numel() * self.buffer.element_size()
 
-    def reset(self) -> None:
-        """Before a synced backward: every gradient missing, every parameter presumed used."""
-        self.pending, self.work = len(self.params), None
-        self.used.fill_(1)  # one op per bucket; put() zeroes the few unused ones
-
-    def put(self, k: int, grad, world_size: int, as_view: bool, used: bool = True) -> None:
-        """Write parameter k's gradient, pre-divided by the world size; ``used`` goes in its counter."""
-        view, p = self.views[k], self.params[k]
-        if not used:
-            self.used[k] = 0
-            if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
-                p.grad = p.grad.clone()  # an old bucket-view .grad that may have to stay untouched
-                grad = None if grad is None else p.grad
-        if grad is None:  # nothing here: contribute zeros
+    def put(self, k: int, grad, divisor: int = 1) -> None:
+        """Write parameter k's gradient (``None``: zeros), divided by ``divisor`` in the same pass."""
+        view = self.views[k]
+        if grad is None:  # no gradient on this rank: contribute zeros
             view.zero_()
-        elif as_view and used:  # .grad lives in the bucket: divide in place
-            if grad.data_ptr() != view.data_ptr():
-                view.copy_(grad)  # first backward, or .grad was reset to None
-                p.grad = view
-            view.div_(world_size)
-        else:  # copy and divide in one pass
-            torch.div(grad, world_size, out=view)
-        self.pending -= 1
+        elif grad.data_ptr() == view.data_ptr():  # .grad is this view already (gradient_as_bucket_view)
+            if divisor != 1:
+                view.div_(divisor)
+        elif divisor != 1:
+            torch.div(grad, divisor, out=view)  # copy and divide in one pass
+        else:
+            view.copy_(grad)
+
+    def write_back(self, result: torch.Tensor, counts: list[int], kept: dict, as_view: bool) -> None:
+        """The one place that sets ``.grad``: a hook's averaged ``result`` (this bucket's layout) into the
+        parameters' gradients. ``counts[i]``: ranks that had parameter i's gradient (0: leave ``.grad``,
+        or restore ``kept[i]``, the bucket-view ``.grad`` it had)."""
+        if as_view and result.data_ptr() != self.buffer.data_ptr():
+            self.buffer.copy_(result)  # .grad lives in the bucket: the result goes there
+        values = self.views if as_view or result is self.buffer else self.split(result)
+        for k, (i, p) in enumerate(zip(self.indices, self.params)):
+            if counts[i] == 0:  # unused on every rank: .grad stays as it was
+                if i in kept:
+                    p.grad = kept[i]
+            elif as_view:
+                p.grad = values[k]
+            elif p.grad is None:
+                p.grad = values[k].to(p.dtype, copy=True)
+            else:
+                p.grad.copy_(values[k])
+
+    def for_hook(self, is_last: bool, pre_divided: bool, buffer: torch.Tensor | None = None) -> GradBucket:
+        """What a comm hook receives: this bucket (or a same-layout ``buffer``, e.g. zeros) as a ``GradBucket``."""
+        flat = self.buffer if buffer is None else buffer
+        views = self.views if buffer is None else self.split(buffer)
+        return GradBucket(self.index, flat, views, self.params, is_last, pre_divided)
 # --8<-- [end:bucket]
+
+
+# --8<-- [start:rebuild]
+def rebuilt_assignment(ready_order: list[int], params, size_limits, group) -> list[list[int]]:
+    """Buckets filled in the order gradients arrived in the first backward (rank 0's order, broadcast, so
+    that every rank builds the same), never-arrived parameters last."""
+    arrived = list(dict.fromkeys(ready_order))  # first arrival of each parameter
+    seen = set(arrived)
+    order = arrived + [i for i in range(len(params)) if i not in seen]
+    agreed = torch.tensor(order, dtype=torch.int64, device=params[0].device)
+    dist.broadcast(agreed, src=dist.get_global_rank(group, 0), group=group)  # rank 0's order wins
+    order = agreed.tolist()
+    assignment = compute_bucket_assignment([params[i] for i in order], size_limits)
+    return [[order[j] for j in bucket] for bucket in assignment]
+# --8<-- [end:rebuild]
 
 
 def build_buckets(params, names, assignment) -> list[Bucket]:
     """``Bucket`` objects for an assignment given as lists of parameter indices."""
-    return [Bucket(b, [params[i] for i in idx], [names[i] for i in idx]) for b, idx in enumerate(assignment)]
+    return [Bucket(b, [params[i] for i in idx], [names[i] for i in idx], list(idx)) for b, idx in enumerate(assignment)]

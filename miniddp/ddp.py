@@ -19,19 +19,22 @@ Why
 
 How torch differs
     torch's ``DistributedDataParallel`` (``torch/nn/parallel/distributed.py`` +
-    ``reducer.cpp``) also supports static graphs, communication hooks
-    (compression, PowerSGD), mixed-device modules, sparse gradients and
-    Python-side optimizer overlap; we leave those out (sparse gradients are
-    refused at wrap). We raise a missing gradient at the end of the same backward
-    instead of the next iteration, compare buffers and ``requires_grad`` across
-    ranks at wrap (torch: parameter shapes only), and never communicate in a
-    no-grad forward (torch broadcasts buffers there, so a rank-0-only evaluation
-    of a BatchNorm model can hang).
+    ``reducer.cpp``) also supports static graphs, mixed-device modules, sparse
+    gradients and Python-side optimizer overlap; we leave those out (sparse
+    gradients are refused at wrap). Communication hooks take torch's contract
+    and run torch's own hooks (``comm_hooks.py``); they must be registered
+    before the first forward, and never hang on gloo (``reducer.py``). We raise
+    a missing gradient at the end of the same backward instead of the next
+    iteration, compare buffers and ``requires_grad`` across ranks at wrap
+    (torch: parameter shapes only), and never communicate in a no-grad forward
+    (torch broadcasts buffers there, so a rank-0-only evaluation of a BatchNorm
+    model can hang).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Mapping
 
 import torch
@@ -61,6 +64,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.broadcast_buffers = broadcast_buffers  # copy rank 0's buffers before every forward
         self.require_backward_grad_sync = True  # False inside no_sync()
         self._join = None  # the open join() context, if any (join.py)
+        self._started = False  # a grad-enabled forward has run: too late for register_comm_hook
         limits = bucket_size_limits(bucket_cap_mb)
         # --8<-- [start:wrap]
         verify_same_model(module, self.process_group, include_buffers=broadcast_buffers)  # or a clear error
@@ -84,6 +88,7 @@ class DistributedDataParallel(torch.nn.Module):
         if not torch.is_grad_enabled():  # evaluation: no buffer broadcast, no rebuild, nothing to sync
             return self.module(*args, **kwargs)
         self._check_requires_grad_unchanged()
+        self._started = True
         divisor = expected = None  # the world size, unless some ranks have joined
         if self._join is not None:  # uneven inputs: tell the joined ranks what this iteration does
             plan = self._join.notify(self.require_backward_grad_sync, self.reducer.rebuild_due)
@@ -122,6 +127,28 @@ class DistributedDataParallel(torch.nn.Module):
     def no_sync(self):
         """Context manager: accumulate gradients locally; see ``miniddp.no_sync``."""
         return no_sync(self)
+
+    # --8<-- [start:register_comm_hook]
+    def register_comm_hook(self, state, hook) -> None:
+        """torch's contract: ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]`` is called with each
+        ready bucket (a ``comm_hooks.GradBucket``) and returns a future of the averaged ``bucket.buffer()``,
+        which is written back to ``.grad``. Once per model, before the first forward (see ``comm_hooks``)."""
+        if not callable(hook):
+            raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")
+        try:
+            inspect.signature(hook).bind(state, None)
+        except TypeError as err:
+            raise TypeError(f"register_comm_hook: hook must take (state, bucket): {err}") from None
+        except ValueError:  # a callable without an inspectable signature: find out when it is called
+            pass
+        if self.reducer.custom_hook:
+            raise RuntimeError("register_comm_hook can only be called once per model (torch: the same); "
+                               "to change the hook, wrap the model again")
+        if self._started:
+            raise RuntimeError("register_comm_hook must be called before the first forward: a hook with state "
+                               "(PowerSGD's error feedback, its step count) has to see every step")
+        self.reducer.set_comm_hook(state, hook)
+    # --8<-- [end:register_comm_hook]
 
     # --8<-- [start:join]
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,

@@ -44,7 +44,7 @@ DEBUG_ENV, TIMEOUT_ENV = "MINIDDP_DEBUG", "MINIDDP_DEBUG_TIMEOUT"  # the switch;
 _SKIP = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep)  # not user code
 _ABSENT = "\x00absent"  # compare_set(key, _ABSENT, _ABSENT) reads a key without waiting for it
 # miniddp functions that issue collectives -> what the message calls their collective
-_INTERNAL = {"_mark_ready": "bucket {bucket} all-reduce", "rebuild": "bucket order broadcast",
+_INTERNAL = {"_call_hook": "bucket {bucket} all-reduce", "rebuild": "bucket order broadcast",
              "verify_same_model": "model check at wrap", "sync_module_states": "state broadcast",
              "broadcast_buffers": "buffer broadcast", "exchange_round": "join round",
              "shadow": "join's zeros for each bucket", "ring_all_reduce": "ring all-reduce"}

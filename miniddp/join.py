@@ -7,9 +7,10 @@ What
     all-reduce gradients, is the one-time bucket rebuild due. A rank that leaves
     the loop (its data is exhausted) enters ``__exit__`` and keeps answering
     rounds: for each one it issues exactly the collectives the active ranks are
-    about to issue (the rebuild broadcast, the buffer broadcast, one all-reduce
-    of zeros per bucket) until a round finds nobody active. Then every rank
-    copies the model of the last rank to finish, so all end identical.
+    about to issue (the rebuild broadcast, the buffer broadcast, each bucket's
+    comm hook on zeros, the used counts) until a round finds nobody active.
+    Then every rank copies the model of the last rank to finish, so all end
+    identical.
 
 Why
     Collectives match by order, not by name. With 10 batches on rank 0 and 9 on
@@ -48,6 +49,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from .unused import UsedCounts
 
 WARN_AFTER_ROUNDS = 1000  # torch warns when joined ranks shadow this many iterations
 
@@ -151,14 +154,21 @@ class Join:
         """Issue what an active rank issues in one iteration, in the same order, with nothing to say."""
         self.ddp._sync_before_forward(rebuild=plan.rebuild, source=plan.source)  # rebuild + buffer broadcast
         if plan.will_sync:
-            reducer = self.ddp.reducer
-            works = [dist.all_reduce(torch.zeros_like(b.buffer), group=reducer.group, async_op=True)
-                     for b in reducer.buckets]  # bucket order = the order the active ranks launch in
-            for work in works:
-                work.wait()
+            shadow_backward(self.ddp.reducer)
 
     def sync_final_model(self) -> None:
         """Everyone takes the model of the highest rank among the last to finish."""
         source = max(self.last_active) if self.last_active else self.world_size - 1
         self.ddp._sync_module_states(source)
     # --8<-- [end:exit]
+
+
+def shadow_backward(reducer) -> None:
+    """A joined rank's share of a backward it sits out: each bucket's comm hook on zeros, then the used
+    counts (all zero), in the order the active ranks issue them (``reducer.py``). torch runs the hook
+    on zeros too (``DistributedDataParallel._match_all_reduce_for_bwd_pass``)."""
+    for b in reducer.buckets:
+        zeros = b.for_hook(is_last=b.index == len(reducer.buckets) - 1, pre_divided=not reducer.custom_hook,
+                           buffer=torch.zeros_like(b.buffer))
+        reducer.hook(reducer.hook_state, zeros).wait()  # the next bucket only after this one, as active ranks do
+    UsedCounts(len(reducer.params), used=0).all_reduce(reducer.group, reducer.buckets[0].buffer.device).wait()

@@ -25,6 +25,18 @@ How torch differs
     only the backward inside ``no_sync`` is the most repeated DDP bug
     (karpathy/build-nanogpt#30, huggingface/accelerate#1726): torch is silent, we
     warn when ``no_sync()`` is entered while a synced forward waits for its backward.
+
+How it runs here
+    1. ``no_sync`` sets ``ddp.require_backward_grad_sync = False``.
+    2. ``DistributedDataParallel.forward`` arms the reducer
+       (``Reducer.prepare_for_backward``) only when that flag is True.
+    3. In an unarmed backward the reducer's per-parameter hook only records the
+       parameter in ``Accumulated`` and returns: autograd has already added the
+       gradient to ``.grad``, and nothing is copied or sent.
+    4. The next armed backward copies each ``.grad`` (now the sum over the
+       micro-batches) into its bucket, and writes back the mean over ranks. A
+       parameter that got a gradient only inside ``no_sync`` still sends it when
+       ``find_unused_parameters=True`` (``unused.unused_contribution``), as torch does.
 """
 
 from __future__ import annotations
@@ -38,7 +50,7 @@ from contextlib import contextmanager
 def no_sync(ddp):
     """Inside: forwards arm no gradient hooks, so their backwards stay local."""
     reducer = getattr(ddp, "reducer", None)
-    if getattr(reducer, "expect_hooks", False) and not reducer.started:  # armed, backward not run yet
+    if reducer is not None and reducer.waiting_for_backward:  # armed by a forward, backward not run yet
         warnings.warn("no_sync() was entered after a forward that ran outside it, and that forward's backward has "
                       "not run yet: the backward will still all-reduce, because DDP decides at the forward. Put the "
                       "forward inside no_sync(): `with model.no_sync(): model(x).sum().backward()`.",
@@ -50,6 +62,23 @@ def no_sync(ddp):
     finally:
         ddp.require_backward_grad_sync = previous
 # --8<-- [end:no_sync]
+
+
+class Accumulated:
+    """Which parameters got a gradient since the last synced backward, ``no_sync`` micro-steps included
+    (torch keeps the same in ``local_used_map``)."""
+
+    def __init__(self, num_params: int):
+        self.flags = [False] * num_params
+
+    def add(self, i: int) -> None:
+        self.flags[i] = True
+
+    def __contains__(self, i: int) -> bool:
+        return self.flags[i]
+
+    def clear(self) -> None:
+        self.flags = [False] * len(self.flags)
 
 
 # --8<-- [start:schedule]

@@ -1,52 +1,86 @@
-"""The reducer: launch each bucket's all-reduce the moment its gradients exist.
+"""The reducer: bucket ready -> comm hook -> future -> write back.
 
 What
-    ``Reducer`` registers one hook per parameter. During a synchronised backward
-    the hook writes the fresh gradient into its bucket; when a bucket has all its
-    gradients it is launched (``all_reduce(async_op=True)``), strictly in bucket
-    order. A callback queued on the autograd engine runs when backward is over:
-    it waits for every bucket and writes the averages back, so **when
-    ``loss.backward()`` returns, every ``.grad`` holds the mean over ranks**.
-    After the first iteration the buckets are rebuilt once, in the order the
-    gradients really arrived (agreed across ranks by a broadcast from rank 0).
+    ``Reducer`` registers one hook per parameter. In a synchronised backward it
+    copies each fresh gradient into its bucket; a complete bucket goes to the
+    communication hook (``comm_hooks.allreduce_hook`` unless
+    ``register_comm_hook`` chose another), which returns a future of the
+    averaged bucket. A callback queued on the autograd engine runs when backward
+    is over: it waits for every future and writes the results into ``.grad``
+    (``Bucket.write_back``, the only place that does), so **when
+    ``loss.backward()`` returns, every ``.grad`` holds the mean over ranks**. After the first
+    iteration the buckets are rebuilt once, in the order gradients arrived
+    (agreed across ranks by a broadcast from rank 0).
 
 Why
-    Backward produces gradients last layer first. Launching a bucket while the
-    earlier layers are still differentiating hides communication behind compute
-    (the DDP paper, arXiv 2006.15704, §3.2.3 "Overlap Computation with
-    Communication"). Launching in one fixed order on every rank matters as much:
-    collectives are matched by order, so two ranks launching buckets 3 then 2
-    and 2 then 3 would sum the wrong buffers together (or deadlock).
+    Launching a bucket while earlier layers still differentiate hides
+    communication behind compute (the DDP paper, arXiv 2006.15704, §3.2.3).
+    Launching in one order on every rank matters as much: collectives pair up
+    by order, so ranks launching buckets 3, 2 and 2, 3 would sum the wrong
+    buffers (or deadlock). A hook may also issue collectives *later*, from its
+    future's callbacks on a communication thread (PowerSGD sends Q once P is
+    summed), so bucket k goes to the hook only once bucket k-1's future is done:
+    every rank issues all of bucket 0's collectives, then bucket 1's, whatever
+    a hook does inside.
 
 How torch differs
-    ``torch/csrc/distributed/c10d/reducer.cpp`` does the same in C++: autograd
-    hooks on the ``AccumulateGrad`` nodes, ``mark_variable_ready``, buckets
-    launched in order, ``finalize_backward`` queued with
-    ``queue_callback``, and a one-time ``rebuild_buckets``. We use
-    ``register_post_accumulate_grad_hook`` (it receives the *parameter*, whose
-    ``.grad`` now holds the accumulated gradient) and keep it in Python.
-    Like torch, only a backward that reaches the parameters' ``AccumulateGrad``
-    nodes syncs: a ``torch.autograd.grad`` call in between (a gradient penalty)
-    computes input gradients and leaves the sync armed for ``loss.backward()``.
-    When a bucket's all-reduce times out or loses a peer, we name the ranks that
-    never reached it (``timeouts.naming_stalled_ranks``); torch's error does not.
+    ``torch/csrc/distributed/c10d/reducer.cpp`` has the same parts in C++
+    (``autograd_hook``, ``mark_variable_ready``, ``finalize_backward``,
+    ``rebuild_buckets``) but calls each bucket's hook as soon as the bucket is
+    ready: on gloo, where a future completes with its collective, torch's
+    PowerSGD then issues the P and Q all-reduces of different buckets in a
+    different order on each rank, and hangs. On NCCL a future completes at
+    *enqueue*, so our wait costs nothing there; on gloo, buckets communicate one
+    at a time, still overlapping backward. As in torch, only a backward that
+    reaches the parameters syncs (a ``torch.autograd.grad`` gradient penalty
+    leaves the sync armed). Which ranks had each gradient travels in one small
+    all-reduce after the last bucket (``unused.UsedCounts``; torch: a bitmap,
+    only with ``find_unused_parameters=True``). A timed-out collective names
+    the ranks that never reached it (``timeouts.naming_stalled_ranks``).
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 from torch.autograd.graph import get_gradient_edge
 
-from .bucketing import build_buckets, compute_bucket_assignment
+from .bucketing import build_buckets, compute_bucket_assignment, rebuilt_assignment
+from .comm_hooks import allreduce_hook, hook_name, hook_result
+from .no_sync import Accumulated
 from .timeouts import naming_stalled_ranks
-from .unused import UnusedParameterError, find_tensors, missing_gradients_message, unused_parameters
+from .unused import (NOTHING_UNUSED, UsedCounts, check_counts, find_tensors, gradient_twice_message,
+                     unused_contribution, unused_parameters)
+
+_HOOKED: dict[int, tuple] = {}  # id(parameter) -> (weak reference to it, handle of its miniddp hook)
+
+
+@dataclass
+class Backward:
+    """Everything one synced backward knows; ``prepare_for_backward`` makes a fresh one."""
+
+    divisor: int  # what the default path divides by (join: maybe the active ranks only)
+    expected: int  # ranks that must produce each gradient (join: the active ones)
+    local_unused: list[int]  # no gradient on this rank: the graph walk's, then the never-arrived
+    ready: list[bool]  # per parameter: its gradient is in its bucket
+    pending: list[int]  # per bucket: gradients still missing
+    counts: UsedCounts  # this rank's 1/0 per parameter, summed over ranks at the end
+    kept: dict = field(default_factory=dict)  # parameter -> its bucket-view .grad, to restore if no rank used it
+    futures: list = field(default_factory=list)  # the hook's future of each bucket handed over, in order
+    started: bool = False  # the end-of-backward callback is queued
+
+    @property
+    def next_bucket(self) -> int:
+        return len(self.futures)
 
 
 class Reducer:
-    """Bucketed, overlapped gradient averaging for a list of parameters."""
+    """Bucketed, overlapped gradient averaging for a list of parameters, through a comm hook."""
 
     def __init__(self, params, names, process_group, size_limits, *, find_unused_parameters=False,
                  gradient_as_bucket_view=False, tracer=None):
@@ -58,50 +92,44 @@ class Reducer:
         self.find_unused = find_unused_parameters  # walk the graph after each forward?
         self.as_view = gradient_as_bucket_view  # .grad is a view into the bucket
         self.tracer = tracer  # optional miniddp.trace.Tracer
+        self.hook, self.hook_state = allreduce_hook, process_group  # what each ready bucket goes through
+        self.custom_hook = False  # register_comm_hook was called: the hook divides, not the copy-in
         # registration order, buckets filled then reversed: the last layers reduce first
-        assignment = list(reversed(compute_bucket_assignment(self.params, self.size_limits)))
-        self._install(assignment)
-        self.expect_hooks = False  # True between a synced forward and the end of its backward
-        self.started = False  # has this backward begun (callback queued)?
+        self._install(list(reversed(compute_bucket_assignment(self.params, self.size_limits))))
+        self.backward: Backward | None = None  # armed by a synced forward until its backward ends
+        self.accumulated = Accumulated(len(self.params))  # got a gradient since the last sync (no_sync too)
         self.ready_order: list[int] = []  # parameter indices as their gradients arrived (first iteration)
         self.rebuilt = find_unused_parameters  # torch never rebuilds when the graph may change
         self.rebuild_due = False  # rebuild at the next forward
         self.warned_no_unused = False  # the "flag set but nothing unused" warning, once
-        self.local_unused: list[int] = []  # this backward's parameters without a local gradient
-        self.used_since_sync = [False] * len(self.params)  # got a gradient since the last sync (no_sync too)
-        self.divisor = self.world_size  # gradients are divided by this (join: maybe the active ranks only)
-        self.expected = self.world_size  # ranks that must produce each gradient (join: the active ones)
         self.backwards = 0  # synced backwards so far: names a collective in error messages
-        self.hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
-        self._check_counter_precision()
+        self.handles = [_hook_once(p, self._make_hook(i)) for i, p in enumerate(self.params)]
 
     def _install(self, assignment) -> None:
         self.buckets = build_buckets(self.params, self.names, assignment)
-        self.where = {}  # parameter index -> (bucket, position in bucket)
-        for b, indices in enumerate(assignment):
-            for k, i in enumerate(indices):
-                self.where[i] = (self.buckets[b], k)
-        self.ready = [False] * len(self.params)  # gradient written to its bucket this backward?
-        self.next_bucket = 0  # the next bucket to launch (launch order = bucket order)
+        self.where = {i: (b, k) for b, indices in enumerate(assignment) for k, i in enumerate(indices)}
 
-    def _check_counter_precision(self) -> None:
-        exact = {torch.bfloat16: 256, torch.float16: 2048}  # integers a dtype counts exactly
-        for b in self.buckets:
-            if self.world_size > exact.get(b.buffer.dtype, 2**24):
-                raise NotImplementedError(f"{b.buffer.dtype} buckets count used-flags exactly only up to "
-                                          f"{exact[b.buffer.dtype]} ranks; world_size={self.world_size}")
+    def set_comm_hook(self, state, hook) -> None:
+        self.hook, self.hook_state, self.custom_hook = hook, state, True
+
+    @property
+    def waiting_for_backward(self) -> bool:
+        """Armed by a synced forward whose backward has not started."""
+        return self.backward is not None and not self.backward.started
+
+    @property
+    def next_bucket(self) -> int:
+        """The bucket the hook gets next (``desync.py`` names a bucket's collectives with it)."""
+        return self.backward.next_bucket if self.backward is not None else 0
 
     # --8<-- [start:prepare]
     def prepare_for_backward(self, outputs, divisor: int | None = None, expected: int | None = None) -> None:
         """Called at the end of a synced forward: arm the hooks for the coming backward."""
-        self.expect_hooks, self.started, self.local_unused = True, False, []
-        self.divisor, self.expected = divisor or self.world_size, expected or self.world_size
-        self.ready = [False] * len(self.params)
-        self.next_bucket = 0
-        for b in self.buckets:
-            b.reset()
-        if self.find_unused:
-            self.local_unused = unused_parameters(outputs, self.params)
+        self.backward = Backward(
+            divisor=divisor or self.world_size, expected=expected or self.world_size,
+            local_unused=unused_parameters(outputs, self.params) if self.find_unused else [],
+            ready=[False] * len(self.params), pending=[len(b.params) for b in self.buckets],
+            counts=UsedCounts(len(self.params)))
         for t in find_tensors(outputs):  # backward starts where the outputs' gradients arrive
             if t.requires_grad and t.grad_fn is not None:
                 t.register_hook(self._on_backward_start_hook)
@@ -126,14 +154,15 @@ class Reducer:
     # --8<-- [end:reaches]
 
     def _start_backward(self) -> None:
-        if self.started or not self.expect_hooks:
+        state = self.backward
+        if state is None or state.started:
             return
-        self.started = True
+        state.started = True
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)  # runs after backward
         if self.tracer is not None:
             self.tracer.event("backward start")
-        for i in self.local_unused:  # found by the graph walk: ready now
-            self._mark_unused_ready(i)
+        for i in state.local_unused:  # found by the graph walk: ready now
+            self._mark_unused(i)
 
     def _make_hook(self, i: int):
         def hook(param):  # post-accumulate-grad hooks receive the parameter itself
@@ -142,91 +171,97 @@ class Reducer:
                 raise NotImplementedError(f"parameter {self.names[i]} got a {grad.layout} gradient: miniddp "
                                           "averages dense gradients only (use sparse=False, or torch's DDP)")
             if grad is not None:
-                self.used_since_sync[i] = True  # counted even inside no_sync, as torch does
-            if not self.expect_hooks:  # inside no_sync, or a forward that bypassed DDP
+                self.accumulated.add(i)  # counted even inside no_sync, as torch does
+            if self.backward is None:  # not armed: inside no_sync, or a forward that bypassed DDP
                 return
             self._start_backward()
             if not self.rebuilt:
                 self.ready_order.append(i)
-            self._mark_ready(i, grad, used=True)
+            self._mark_ready(i, grad)
         return hook
 
-    def _mark_unused_ready(self, i: int) -> None:
-        """No gradient in this backward. With find_unused_parameters, a gradient accumulated
-        under no_sync still counts (torch copies any defined .grad); otherwise zeros, flagged."""
-        if self.find_unused:
-            self._mark_ready(i, self.params[i].grad, used=self.used_since_sync[i])
-        else:
-            self._mark_ready(i, None, used=False)
+    def _mark_unused(self, i: int) -> None:
+        """No gradient in this backward: put in what ``unused.unused_contribution`` says."""
+        grad, used = unused_contribution(self.params[i].grad, self.find_unused, i in self.accumulated)
+        self._mark_ready(i, grad, used)
 
     # --8<-- [start:mark_ready]
-    def _mark_ready(self, i: int, grad, used: bool) -> None:
-        if self.ready[i] and i in self.local_unused:  # the walk said "unused", yet a gradient came
-            raise RuntimeError(
-                f"parameter {self.names[i]} received a gradient, but find_unused_parameters' graph walk from the "
-                "forward's outputs did not reach it. Usual causes: reentrant activation checkpointing "
-                "(torch.utils.checkpoint(..., use_reentrant=True) hides the segment's parameters until backward: "
-                "use use_reentrant=False), or an output object that hides its tensors from the walk.")
-        if self.ready[i]:
-            raise RuntimeError(
-                f"parameter {self.names[i]} got its gradient twice in one backward (reentrant gradient "
-                "checkpointing, or a module used in two separate backward passes); use "
-                "torch.utils.checkpoint(..., use_reentrant=False)")
-        self.ready[i] = True
-        bucket, k = self.where[i]
-        bucket.put(k, grad, self.divisor, self.as_view, used)
+    def _mark_ready(self, i: int, grad, used: bool = True) -> None:
+        state = self.backward
+        if state.ready[i]:  # reentrant checkpointing, or a module used in two backward passes
+            raise RuntimeError(gradient_twice_message(self.names[i], walk_missed_it=i in state.local_unused))
+        state.ready[i] = True
+        b, k = self.where[i]
+        bucket, p = self.buckets[b], self.params[i]
+        if not used:
+            state.counts.mark_unused(i)
+            if p.grad is not None and p.grad.data_ptr() == bucket.views[k].data_ptr():
+                state.kept[i] = p.grad.clone()  # a bucket-view .grad must survive if no rank used it
+        bucket.put(k, grad, 1 if self.custom_hook else state.divisor)  # the default path divides here
+        state.pending[b] -= 1
         if self.tracer is not None:
             self.tracer.event("grad ready", param=self.names[i])
-        while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
-            b = self.buckets[self.next_bucket]  # launch in order, never out of it
-            b.work = dist.all_reduce(b.buffer, group=self.group, async_op=True)
-            if self.tracer is not None:
-                self.tracer.bucket_launched(b)
-            self.next_bucket += 1
+        self._launch(state)
     # --8<-- [end:mark_ready]
+
+    # --8<-- [start:launch]
+    def _launch(self, state: Backward, wait: bool = False) -> None:
+        """Hand complete buckets to the hook in bucket order, each once the previous bucket's future is
+        done: the previous hook has then issued all its collectives, callbacks included."""
+        while state.next_bucket < len(self.buckets) and state.pending[state.next_bucket] == 0:
+            if state.futures and not state.futures[-1].done():
+                if not wait:
+                    return  # again at the next gradient, or at the end of backward
+                self._wait(state.next_bucket - 1, state.futures[-1])
+            self._call_hook(state, self.buckets[state.next_bucket])
+
+    def _call_hook(self, state: Backward, bucket) -> None:
+        last = bucket.index == len(self.buckets) - 1
+        future = self.hook(self.hook_state, bucket.for_hook(is_last=last, pre_divided=not self.custom_hook))
+        if not isinstance(future, torch._C.Future):
+            raise TypeError(f"comm hook {hook_name(self.hook)} returned {type(future).__name__} for bucket "
+                            f"{bucket.index}: a hook returns a torch.futures.Future of the averaged bucket, e.g. "
+                            "dist.all_reduce(bucket.buffer(), async_op=True).get_future()")
+        state.futures.append(future)
+        if self.tracer is not None:
+            work = SimpleNamespace(get_future=lambda: future)  # what trace.Tracer reads, as from a c10d Work
+            self.tracer.bucket_launched(SimpleNamespace(index=bucket.index, nbytes=bucket.nbytes,
+                                                        params=bucket.params, work=work))
+    # --8<-- [end:launch]
+
+    def _wait(self, what, future):
+        what = f"all-reduce of bucket {what}" if isinstance(what, int) else what
+        with naming_stalled_ranks(f"{what} in backward #{self.backwards}", self.group):
+            return future.wait()
 
     # --8<-- [start:finalize]
     def _finalize(self) -> None:
-        """Autograd callback after backward: finish every bucket, write the averages back."""
-        self.expect_hooks = False
-        for i, done in enumerate(self.ready):  # no gradient on this rank: zeros, so nobody hangs
-            if not done:
-                self.local_unused.append(i)
-                self._mark_unused_ready(i)
-        missing, counts, anything_unused = [], [], False
+        """Autograd callback after backward: finish every bucket, write the results back, check the counts."""
+        state = self.backward
         self.backwards += 1
-        for b in self.buckets:
-            with naming_stalled_ranks(f"all-reduce of bucket {b.index} in backward #{self.backwards}", self.group):
-                b.work.wait()
-        # every bucket's used-counters in one host copy: on a GPU each .tolist() is a sync point
-        used = iter(torch.cat([b.used.to(torch.float64) for b in self.buckets]).tolist())
-        for b in self.buckets:
-            for k, p in enumerate(b.params):
-                c = round(next(used))  # ranks that produced this gradient
-                anything_unused |= c < self.expected
-                if c < self.expected and not self.find_unused:
-                    missing.append(b.names[k])
-                    counts.append(c)
-                if c == 0:  # unused on every rank: .grad stays as it was
-                    continue
-                if self.as_view:
-                    p.grad = b.views[k]
-                elif p.grad is None:
-                    p.grad = b.views[k].clone()
-                else:
-                    p.grad.copy_(b.views[k])
-        self.used_since_sync = [False] * len(self.params)
+        try:
+            for i, done in enumerate(state.ready):  # no gradient on this rank: zeros, so nobody hangs
+                if not done:
+                    state.local_unused.append(i)
+                    self._mark_unused(i)
+            self._launch(state, wait=True)  # the buckets still waiting for their turn
+            results = [hook_result(self.hook, b.index, self._wait(b.index, f), b.buffer)
+                       for b, f in zip(self.buckets, state.futures)]
+            # after every hook's last collective, so nothing can come between them on any rank
+            self._wait("used-counts all-reduce", state.counts.all_reduce(self.group, self.buckets[0].buffer.device))
+            counts = state.counts.counts()
+            for bucket, result in zip(self.buckets, results):
+                bucket.write_back(result, counts, state.kept, self.as_view)  # the one place that sets .grad
+            self.accumulated.clear()
+        finally:
+            self.backward = None  # disarmed, whatever happened
         if self.tracer is not None:
             self.tracer.event("backward end")
-        if missing:
-            local = [self.names[i] for i in self.local_unused]
-            frozen = [self.names[i] for i in self.local_unused if not self.params[i].requires_grad]
-            raise UnusedParameterError(missing_gradients_message(missing, counts, self.expected, local, frozen),
-                                       missing)
+        anything_unused = check_counts(counts, state.expected, self.names, find_unused=self.find_unused,
+                                       local=state.local_unused, params=self.params)
         if self.find_unused and not anything_unused and not self.warned_no_unused:
             self.warned_no_unused = True  # judged from the counts: nothing unused on ANY rank
-            warnings.warn("find_unused_parameters=True but no parameter was unused in this backward on any rank: "
-                          "the graph walk after every forward costs time for nothing; consider False.", stacklevel=2)
+            warnings.warn(NOTHING_UNUSED, stacklevel=2)
         if not self.rebuilt:
             self.rebuild_due = True
     # --8<-- [end:finalize]
@@ -235,13 +270,7 @@ class Reducer:
     def rebuild(self) -> None:
         """Once, before the second synced forward: buckets in the order gradients arrived."""
         self.rebuild_due, self.rebuilt = False, True
-        arrived = list(dict.fromkeys(self.ready_order))
-        order = arrived + [i for i in range(len(self.params)) if i not in set(arrived)]
-        agreed = torch.tensor(order, dtype=torch.int64, device=self.buckets[0].buffer.device)
-        dist.broadcast(agreed, src=dist.get_global_rank(self.group, 0), group=self.group)  # rank 0's order wins
-        order = agreed.tolist()
-        assignment = compute_bucket_assignment([self.params[i] for i in order], self.size_limits)
-        self._install([[order[j] for j in bucket] for bucket in assignment])
+        self._install(rebuilt_assignment(self.ready_order, self.params, self.size_limits, self.group))
     # --8<-- [end:rebuild]
 
     @property
@@ -249,6 +278,16 @@ class Reducer:
         return [list(b.names) for b in self.buckets]
 
     def remove_hooks(self) -> None:
-        for h in self.hooks:
-            h.remove()
-        self.hooks = []
+        for handle in self.handles:
+            handle.remove()
+
+
+def _hook_once(param, fn):
+    """Register ``fn`` on ``param``, removing the hook an earlier wrapper of the same parameter left:
+    wrapping a module again must not leave the old reducer reacting to every backward."""
+    old = _HOOKED.get(id(param))
+    if old is not None and old[0]() is param:
+        old[1].remove()
+    handle = param.register_post_accumulate_grad_hook(fn)
+    _HOOKED[id(param)] = (weakref.ref(param, lambda _, key=id(param): _HOOKED.pop(key, None)), handle)
+    return handle

@@ -22,9 +22,17 @@ How torch differs
     the flag was set but nothing was unused. With ``find_unused_parameters=False``
     torch notices the missing gradient only at the *next* iteration ("Expected to
     have finished reduction in the prior iteration..."), after a silent desync. We
-    count the ranks that produced each gradient inside the bucket itself
-    (``bucketing.Bucket.used``), so every rank raises at the end of the *same*
-    backward, naming the parameters.
+    count the ranks that produced each gradient (``UsedCounts``: torch's bitmap,
+    but sent on every synced backward, after the last bucket), so every rank
+    raises at the end of the *same* backward, naming the parameters.
+
+How it runs (``reducer.py`` calls these)
+    ``prepare_for_backward``: ``unused_parameters`` walks the graph (flag on);
+    at backward start those parameters are marked ready with
+    ``unused_contribution``; at the end of backward any parameter still without
+    a gradient gets the same treatment (so no bucket waits forever); then
+    ``UsedCounts`` is all-reduced and ``check_counts`` decides: raise, or leave
+    ``.grad`` untouched where no rank had a gradient.
 """
 
 from __future__ import annotations
@@ -32,6 +40,9 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
+
+from .comm_hooks import record
 
 
 class UnusedParameterError(RuntimeError):
@@ -97,3 +108,61 @@ def missing_gradients_message(names: list[str], counts: list[int], world_size: i
         "the ones you do not train, or pass find_unused_parameters=True "
         "(Hugging Face: ddp_find_unused_parameters=True) so DDP marks them ready with a zero gradient."
     )
+
+
+# --8<-- [start:counts]
+def unused_contribution(grad, find_unused: bool, accumulated: bool):
+    """What a parameter without a gradient in this backward puts in its bucket: ``(tensor or None for
+    zeros, counts as used?)``. With the flag, whatever ``.grad`` holds (torch copies any defined
+    ``.grad``; one accumulated under ``no_sync`` counts as used); without it, zeros."""
+    if find_unused:
+        return grad, accumulated
+    return None, False
+
+
+class UsedCounts:
+    """How many ranks produced each parameter's gradient in one backward: a 1 or 0 per parameter on
+    each rank, summed by one small all-reduce after the last bucket (int32: exact for any world size)."""
+
+    def __init__(self, num_params: int, used: int = 1):
+        self.local = [used] * num_params  # 1: this rank sends a real gradient for parameter i
+        self.summed: torch.Tensor | None = None
+
+    def mark_unused(self, i: int) -> None:
+        self.local[i] = 0
+
+    def all_reduce(self, group, device) -> torch.futures.Future:
+        self.summed = torch.tensor(self.local, dtype=torch.int32).to(device, non_blocking=True)  # no stream sync
+        record("all_reduce (used counts)", self.summed)
+        return dist.all_reduce(self.summed, group=group, async_op=True).get_future()
+
+    def counts(self) -> list[int]:
+        return self.summed.tolist()  # one host copy per backward (a sync point on a GPU)
+
+
+def check_counts(counts: list[int], expected: int, names: list[str], *, find_unused: bool, local: list[int],
+                 params: list[torch.Tensor]) -> bool:
+    """Raise ``UnusedParameterError`` for gradients some rank lacked, unless ``find_unused``; ``local``:
+    this rank's parameters without a gradient. Returns whether anything was unused on any rank."""
+    short = [(names[i], c) for i, c in enumerate(counts) if c < expected]
+    if short and not find_unused:
+        frozen = [names[i] for i in local if not params[i].requires_grad]
+        message = missing_gradients_message([n for n, _ in short], [c for _, c in short], expected,
+                                            [names[i] for i in local], frozen)
+        raise UnusedParameterError(message, [n for n, _ in short])
+    return bool(short)
+# --8<-- [end:counts]
+
+
+NOTHING_UNUSED = ("find_unused_parameters=True but no parameter was unused in this backward on any rank: the graph "
+                  "walk after every forward costs time for nothing; consider False.")
+
+
+def gradient_twice_message(name: str, walk_missed_it: bool) -> str:
+    if walk_missed_it:  # the walk said "unused", yet a gradient came
+        return (f"parameter {name} received a gradient, but find_unused_parameters' graph walk from the forward's "
+                "outputs did not reach it. Usual causes: reentrant activation checkpointing "
+                "(torch.utils.checkpoint(..., use_reentrant=True) hides the segment's parameters until backward: "
+                "use use_reentrant=False), or an output object that hides its tensors from the walk.")
+    return (f"parameter {name} got its gradient twice in one backward (reentrant gradient checkpointing, or a "
+            "module used in two separate backward passes); use torch.utils.checkpoint(..., use_reentrant=False)")

@@ -69,20 +69,29 @@ def test_bad_limits_are_refused():
 
 def test_bucket_layout_and_views():
     params = [torch.nn.Parameter(torch.randn(2, 3)), torch.nn.Parameter(torch.randn(4))]
-    b = Bucket(0, params, ["a", "b"])
-    assert b.buffer.numel() == 6 + 4 + 2  # gradients, then one used-counter per parameter
-    b.put(0, torch.full((2, 3), 4.0), world_size=2, as_view=False)
-    b.put(1, None, world_size=2, as_view=False, used=False)  # no gradient here: zeros, counter 0
+    b = Bucket(0, params, ["a", "b"], [0, 1])
+    assert b.buffer.numel() == 6 + 4  # gradients only: which ranks had one travels apart (unused.UsedCounts)
+    b.put(0, torch.full((2, 3), 4.0), divisor=2)  # copied and divided by the world size in one pass
+    b.put(1, None, divisor=2)  # no gradient here: zeros
     assert torch.equal(b.views[0], torch.full((2, 3), 2.0)) and torch.equal(b.views[1], torch.zeros(4))
-    assert b.used.tolist() == [1.0, 0.0] and b.pending == 0
+    hooked = b.for_hook(is_last=True, pre_divided=True)  # what a comm hook sees: torch's GradBucket methods
+    assert hooked.buffer() is b.buffer and hooked.index() == 0 and hooked.is_last()
+    assert [g.shape for g in hooked.gradients()] == [(2, 3), (4,)] and hooked.parameters() == params
+
+
+def _bucket_view_grad(rank, world_size):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 1, bias=False)
+    ddp = miniddp.DistributedDataParallel(model, gradient_as_bucket_view=True)
+    model.weight.grad = torch.full((1, 5), 6.0 * (rank + 1))  # accumulated before: the backward adds to it
+    ddp(torch.zeros(2, 5)).sum().backward()  # d/dw of sum(w x) with x = 0: zeros
+    bucket = ddp.reducer.buckets[0]
+    return model.weight.grad.data_ptr() == bucket.views[0].data_ptr(), model.weight.grad
 
 
 def test_bucket_view_makes_grad_alias_the_buffer():
-    p = torch.nn.Parameter(torch.randn(5))
-    p.grad = torch.full((5,), 6.0)
-    b = Bucket(0, [p], ["p"])
-    b.put(0, p.grad, world_size=3, as_view=True)
-    assert p.grad.data_ptr() == b.views[0].data_ptr() and torch.equal(p.grad, torch.full((5,), 2.0))
+    for aliases, grad in run_on_ranks(_bucket_view_grad, 2, timeout=30):
+        assert aliases and torch.equal(grad, torch.full((1, 5), 9.0))  # (6 + 12) / 2, living in the bucket
 
 
 def _assignment_and_trace(rank, world_size, model_name, cap, steps):

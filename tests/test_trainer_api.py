@@ -146,7 +146,8 @@ def _collectives_per_window(rank, world_size, out):
     calls, real_all_reduce = [], dist.all_reduce
 
     def counting(tensor, *args, **kwargs):  # the reducer launches buckets with async_op=True
-        calls.append("bucket" if kwargs.get("async_op") else "all_reduce")
+        calls.append(("bucket" if tensor.is_floating_point() else "used counts") if kwargs.get("async_op")
+                     else "all_reduce")
         return real_all_reduce(tensor, *args, **kwargs)
 
     dist.all_reduce = counting  # this rank's process only
@@ -167,7 +168,7 @@ def test_one_synced_backward_and_one_item_count_per_accumulation_window(tmp_path
         assert synced_backwards == 3  # 3 windows of 4 micro-batches: 3 synced backwards, not 12
         assert len(windows) == 3
         for calls, buckets in windows:
-            assert buckets >= 2 and calls == ["all_reduce"] + ["bucket"] * buckets
+            assert buckets >= 2 and calls == ["all_reduce"] + ["bucket"] * buckets + ["used counts"]
 # --8<-- [end:count_all_reduces]
 
 

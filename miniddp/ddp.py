@@ -163,6 +163,21 @@ class DistributedDataParallel(torch.nn.Module):
         """Parameter names per bucket, in the order the buckets are reduced."""
         return self.reducer.bucket_names
 
+    def layout_state(self) -> dict:
+        """What an exact resume needs from the reducer: whether and how the buckets were rebuilt.
+        With more than 2 ranks gloo's ring sums each element in an order set by its offset in its bucket,
+        so a resumed run must all-reduce with the same layout (torch DDP has no such state)."""
+        r = self.reducer
+        return {"rebuilt": r.rebuilt, "rebuild_due": r.rebuild_due, "ready_order": list(r.ready_order)}
+
+    def load_layout_state(self, state: dict) -> None:
+        """Every rank, before the first forward of a resumed run: the saved layout (or rebuild due)."""
+        r = self.reducer
+        r.ready_order = list(state["ready_order"])
+        if state["rebuilt"] and not r.rebuilt:
+            r.rebuild()  # from the saved arrival order: the layout the interrupted run had (a broadcast)
+        r.rebuild_due = state["rebuild_due"] and not r.rebuilt
+
 
 def move_to(obj, device):
     """``obj`` with every tensor inside (tuples, lists, mappings, dataclasses, nested) moved to ``device``."""

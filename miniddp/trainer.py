@@ -217,7 +217,8 @@ class Trainer:
         self.pending_loss.zero_()
 
     def save(self, step: int) -> Path:
-        trainer_state = {**self.state, "log_history": list(self.log_history), "setup": self.setup}
+        trainer_state = {**self.state, "log_history": list(self.log_history), "setup": self.setup,
+                         "layout": self.ddp.layout_state()}  # the bucket layout: sums in the same order
         states = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                   "scheduler": self.scheduler.state_dict(), "trainer_state": trainer_state}
         if self.scaler:
@@ -247,6 +248,7 @@ class Trainer:
         if self.scaler and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
         self.log_history = trainer_state.pop("log_history")
+        self.ddp.load_layout_state(trainer_state.pop("layout"))
         self.state.update(trainer_state)
         if "rank_state" in state:  # absent for a rank beyond the saved world size (resume_allow_changes)
             set_rng_state(state["rank_state"]["rng"])

@@ -200,3 +200,15 @@ def test_killing_the_launcher_stops_its_workers(tmp_path):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(job.pid, signal.SIGKILL)
+
+
+def test_three_ranks_resume_bitwise_with_the_rebuilt_bucket_order(tmp_path):
+    """With more than 2 ranks gloo's ring sums an element in an order set by its offset in the bucket:
+    the resumed run must all-reduce with the rebuilt bucket layout the interrupted one had."""
+    overrides = dict(model="mlp", ddp_bucket_cap_mb=0.01)  # several buckets
+    straight = run_on_ranks(_uninterrupted, 3, args=(overrides, str(tmp_path / "a")), init=False, timeout=120)
+    for kills in ([1], [3]):  # right after the first backward (rebuild due), and after the rebuild
+        out = str(tmp_path / f"k{kills[0]}")
+        again = run_on_ranks(_with_kills, 3, args=(overrides, out, kills), init=False, timeout=120)
+        for key in straight[0]["params"]:
+            assert torch.equal(straight[0]["params"][key], again[0]["params"][key]), (kills, key)

@@ -2,37 +2,106 @@
 
 import json
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 import miniddp
-from miniddp.testing import run_on_ranks
-from miniddp.trace import Tracer, plot_timeline, save_chrome_trace, to_chrome_trace
+from miniddp.testing import backend_params, run_on_ranks
+from miniddp.trace import Tracer, plot_timeline, save_chrome_trace, step_summary, to_chrome_trace
 from models import MODELS
 
 
-def _traced_step(rank, world_size):
+def _traced_step(rank, world_size, backend):
     torch.manual_seed(0)
-    tracer = Tracer(rank)
-    ddp = miniddp.DistributedDataParallel(MODELS["mlp"](), bucket_cap_mb=0.0002, tracer=tracer)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    tracer = Tracer(rank, device=device)  # on CUDA: device times from CUDA events
+    ddp = miniddp.DistributedDataParallel(MODELS["mlp"]().to(device), bucket_cap_mb=0.0002, tracer=tracer)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    F.mse_loss(ddp(torch.randn(4, 8)), torch.zeros(4, 4)).backward()
+    with tracer.span("forward"):
+        loss = F.mse_loss(ddp(torch.randn(4, 8, device=device)), torch.zeros(4, 4, device=device))
+    loss.backward()
     opt.step()
     tracer.step()
-    return tracer.events, len(ddp.bucket_assignment)
+    return tracer.synchronize(), len(ddp.bucket_assignment)
 
 
-def test_chrome_trace_has_backward_and_one_span_per_bucket(tmp_path):
-    results = run_on_ranks(_traced_step, 2, timeout=60)
+@pytest.mark.parametrize("backend", backend_params(2))
+def test_chrome_trace_has_backward_and_one_span_per_bucket(tmp_path, backend):
+    results = run_on_ranks(_traced_step, 2, args=(backend,), backend=backend, timeout=60)
     events = [r[0] for r in results]
     trace = to_chrome_trace(events)
     spans = [s for s in trace["traceEvents"] if s["ph"] == "X"]
     for rank, (_, n_buckets) in enumerate(results):
         mine = [s for s in spans if s["pid"] == rank]
         assert len([s for s in mine if s["name"] == "backward"]) == 1
+        assert len([s for s in mine if s["name"] == "forward"]) == 1
         assert len([s for s in mine if s["name"].startswith("all-reduce bucket")]) == n_buckets
         assert all(s["dur"] >= 0 for s in mine)
+        summary = step_summary(results[rank][0])
+        assert 0 <= summary["exposed_comm_s"] <= summary["comm_s"] <= summary["torch_backward_comm_s"] + 1e-9
+        launched = min(s["ts"] for s in mine if s["name"].startswith("all-reduce"))
+        last_ready = max(e["t"] for e in results[rank][0] if e["name"] == "grad ready") * 1e6
+        assert launched < last_ready  # bucket 0 went out while backward was still computing: overlap
     save_chrome_trace(events, tmp_path / "trace.json")
     assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     plot_timeline(events, tmp_path / "timeline.png")
     assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _events(rank, *spec):
+    """Events from (name, t, fields) tuples, times in seconds."""
+    return [{"name": n, "t": t, "rank": rank, **f} for n, t, f in spec]
+
+
+def _one_step(rank=0, last_finish=14.0):
+    # forward 0-2, backward 2-10 (gradients at 4, 7, 10), buckets 0 and 1 launched at 5 and 10,
+    # bucket 1 finishing at last_finish; copy-back until 15 (or just after the last bucket); optimizer 15-16
+    end = max(15.0, last_finish + 1)
+    b0, b1 = {"bucket": 0, "bytes": 8, "params": 2}, {"bucket": 1, "bytes": 8, "params": 2}
+    return _events(rank, ("forward start", 0.0, {}), ("forward end", 1.5, {}), ("backward start", 2.0, {}),
+                   ("grad ready", 4.0, {"param": "b"}), ("grad ready", 4.5, {"param": "w"}),
+                   ("bucket launched", 5.0, b0), ("grad ready", 7.0, {"param": "v"}), ("bucket finished", 8.0, b0),
+                   ("grad ready", 10.0, {"param": "u"}), ("bucket launched", 10.0, b1),
+                   ("bucket finished", last_finish, b1),
+                   ("backward end", end, {}), ("optimizer start", end, {}), ("optimizer end", end + 1, {}))
+
+
+def test_step_summary_separates_hidden_from_exposed_communication():
+    s = step_summary(_one_step())
+    assert s["forward_s"] == 2 and s["backward_compute_s"] == 8  # until the last gradient
+    assert s["comm_s"] == 3 + 4 and s["hidden_comm_s"] == 3 and s["exposed_comm_s"] == 4
+    assert s["finalize_s"] == 5 and s["optimizer_s"] == 1 and s["step_s"] == 16
+    # torch's logging figures for the same step: comm from the first launch to the end of the finalize,
+    # overlap from the first launch to the end of backward's compute
+    assert s["torch_backward_comm_s"] == 10 and s["torch_overlap_s"] == 5
+
+
+def test_step_summary_counts_overlapping_bucket_intervals_once():
+    # gloo queues a bucket launched while the previous one still runs: the intervals overlap
+    events = _one_step()
+    next(e for e in events if e["name"] == "bucket finished" and e["bucket"] == 0)["t"] = 11.0  # after 1 launched
+    s = step_summary(events)
+    assert s["comm_s"] == 14 - 5 and s["exposed_comm_s"] == 4
+
+
+def test_no_exposed_communication_when_the_last_bucket_ends_before_backward():
+    events = [e for e in _one_step() if not (e.get("bucket") == 1)]
+    assert step_summary(events)["exposed_comm_s"] == 0
+
+
+def test_plot_timeline_draws_svg_with_exposed_communication_and_returns_the_summaries(tmp_path):
+    path = tmp_path / "timeline.svg"
+    summaries = plot_timeline([_one_step(0), _one_step(1, last_finish=12.0)], path, title="two ranks")
+    svg = path.read_text()
+    assert svg.lstrip().startswith("<?xml") and "<svg" in svg
+    assert [s["exposed_comm_s"] for s in summaries] == [4, 2]
+    for text in ("exposed communication", "rank 0 4000.0 ms", "rank 1 2000.0 ms", "bucket 1", "optimizer"):
+        assert text in svg, text  # matplotlib's SVG names each text in a comment beside its glyphs
+
+
+def test_chrome_trace_has_forward_and_optimizer_spans():
+    spans = [s for s in to_chrome_trace([_one_step()])["traceEvents"] if s["ph"] == "X"]
+    names = [s["name"] for s in spans]
+    assert sorted(names) == ["all-reduce bucket 0", "all-reduce bucket 1", "backward", "forward", "optimizer"]
+    assert next(s for s in spans if s["name"] == "forward")["dur"] == 1.5e6

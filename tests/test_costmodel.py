@@ -1,0 +1,208 @@
+"""The cost model: the α–β fit, the bucket-launch simulation against hand-computed timelines,
+the no-overlap closed form where the two must agree, and the model read from a real trace."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import miniddp
+from miniddp.bucketing import MiB
+from miniddp.costmodel import (AlphaBeta, StepProfile, best_bucket_cap_mb, fit_alpha_beta, measure_all_reduce,
+                               measure_overlap_cost, naive_step_time, predict_step_time, rebuilt_assignment,
+                               simulate)
+from miniddp.testing import run_on_ranks
+from miniddp.trace import Tracer, step_summary
+
+
+def profile(ready, nbytes, forward=0.0, optimizer=0.0, tail=0.0, compute_end=0.0) -> StepProfile:
+    """A synthetic step: float32 parameters of the given sizes, gradients ready at the given times."""
+    return StepProfile(forward, list(ready), [b // 4 for b in nbytes], [torch.float32] * len(nbytes), tail,
+                       optimizer, compute_end)
+
+
+# --8<-- [start:fit]
+def test_fit_recovers_alpha_and_beta_from_exact_timings():
+    sizes = [4096, 65536, 2**20, 2**22, 2**24]
+    ab = fit_alpha_beta(sizes, [80e-6 + s / 2.5e9 for s in sizes], world_size=4)
+    assert ab.alpha_us == pytest.approx(80, rel=1e-9)
+    assert ab.algbw_GBps == pytest.approx(2.5, rel=1e-9)
+    assert ab.busbw_GBps == pytest.approx(2.5 * 2 * 3 / 4, rel=1e-9)  # nccl-tests: algbw x 2(n-1)/n
+    assert ab.seconds(1e6) == pytest.approx(80e-6 + 1e6 / 2.5e9)
+
+
+def test_fit_weighs_relative_errors_and_never_returns_a_negative_latency():
+    sizes = [1e3, 1e4, 1e5, 1e6, 1e7, 1e8]
+    seconds = [100e-6 + s * 1e-9 for s in sizes]
+    seconds[-2], seconds[-1] = seconds[-2] * 0.98, seconds[-1] * 1.02  # 2% noise on the two largest
+    ab = fit_alpha_beta(sizes, seconds)
+    assert ab.alpha_us == pytest.approx(100, rel=0.05)  # plain least squares: 20 us, decided by the 100 MB point
+    noisy = fit_alpha_beta([1e3, 1e6], [1e-9, 1e-3])  # the line through these crosses zero below 0
+    assert noisy.alpha_s == 0 and noisy.beta_s_per_byte > 0
+
+
+def _measure(rank, world_size):
+    sizes = [4096, 2**18, 2**20, 2**22]
+    points = measure_all_reduce(sizes, reps=5)
+    return points, fit_alpha_beta(*zip(*points), world_size=world_size), measure_overlap_cost(2**20, reps=3)
+
+
+def test_fit_on_a_real_two_rank_gloo_group_is_plausible():
+    (points, ab, cost), (points1, ab1, cost1) = run_on_ranks(_measure, 2, timeout=60)
+    assert points == points1 and ab == ab1  # the slowest rank's times: one answer on every rank
+    assert 0 <= cost == cost1 <= 1
+    assert 0 <= ab.alpha_us < 20_000  # loose: timing here is noisy, never an assertion on speed
+    assert 0.005 < ab.algbw_GBps < 1000
+    ratios = sorted(ab.seconds(nbytes) / seconds for nbytes, seconds in points)  # fit / measured
+    assert 0.5 < ratios[len(ratios) // 2] < 2  # the line fits most points (one noisy point may be far off)
+    assert 1 / 3 < ab.seconds(points[-1][0]) / points[-1][1] < 3  # and the largest, where noise matters least
+# --8<-- [end:fit]
+
+
+# --8<-- [start:simulate]
+def test_three_buckets_match_a_hand_computed_timeline():
+    # three 100-byte gradients ready at 1, 2, 10 s; each all-reduce takes 1 + 0.01 * 100 = 2 s
+    p = profile(ready=[1, 2, 10], nbytes=[100, 100, 100], forward=5, optimizer=1)
+    ab = AlphaBeta(alpha_s=1.0, beta_s_per_byte=0.01)
+    got = simulate(p, [[0], [1], [2]], ab)
+    assert got.launch_s == [1, 3, 10]  # bucket 1 is full at 2 but waits for bucket 0 (one stream, in order)
+    assert got.finish_s == [3, 5, 12]
+    assert got.exposed_comm_s == 2  # bucket 2 runs after backward's last gradient
+    assert got.step_s == 5 + 12 + 1  # forward + last finish + optimizer
+    assert got.comm_s == 6 and got.bucket_bytes == [100, 100, 100]
+
+
+def test_a_bucket_waits_for_its_last_gradient_not_its_first():
+    p = profile(ready=[1, 4, 6], nbytes=[100, 100, 100])
+    got = simulate(p, [[0, 1], [2]], AlphaBeta(1.0, 0.01))  # bucket 0: 200 bytes, 3 s; bucket 1: 2 s
+    assert got.launch_s == [4, 7] and got.finish_s == [7, 9] and got.exposed_comm_s == 3
+
+
+def test_no_exposed_communication_when_it_fits_inside_backward():
+    # backward keeps computing until 20 s (an input's gradient, say) after the last parameter's at 10 s
+    p = profile(ready=[1, 5, 10], nbytes=[100, 100, 100], forward=3, compute_end=20)
+    got = simulate(p, [[0], [1], [2]], AlphaBeta(1.0, 0.01))
+    assert got.finish_s == [3, 7, 12]
+    assert got.exposed_comm_s == 0 and got.step_s == 3 + 20
+
+
+def test_naive_and_simulated_agree_with_one_bucket():
+    p = profile(ready=[0.3, 0.1, 0.7, 0.2], nbytes=[400, 800, 1200, 40], forward=0.5, optimizer=0.25, tail=0.125)
+    ab = AlphaBeta(0.01, 1e-4)
+    one = [[1, 3, 0, 2]]
+    assert simulate(p, one, ab).step_s == pytest.approx(naive_step_time(p, one, ab))
+    assert predict_step_time(p, ab, bucket_cap_mb=100).step_s == pytest.approx(naive_step_time(p, one, ab))
+
+
+def test_naive_and_simulated_agree_when_compute_is_free():
+    p = profile(ready=[0, 0, 0, 0], nbytes=[400, 800, 1200, 40], forward=0.5, optimizer=0.25)
+    ab = AlphaBeta(0.01, 1e-4)
+    for assignment in ([[0], [1], [2], [3]], [[3, 2], [1, 0]], [[0, 1, 2, 3]]):
+        assert simulate(p, assignment, ab).step_s == pytest.approx(naive_step_time(p, assignment, ab))
+
+
+def test_overlap_that_costs_compute_stretches_the_backward():
+    # the hand-computed case again, when an all-reduce takes half (then all) of the cores from backward
+    p = profile(ready=[1, 2, 10], nbytes=[100, 100, 100], forward=5, optimizer=1)
+    ab, buckets = AlphaBeta(1.0, 0.01), [[0], [1], [2]]
+    half = simulate(p, buckets, ab, overlap_cost=0.5)
+    assert half.launch_s == [1, 3, 12]  # gradient 1 is ready at 3, not 2: backward ran at half speed in 1-3
+    assert half.finish_s == [3, 5, 14] and half.exposed_comm_s == 2 and half.step_s == 5 + 14 + 1
+    serial = simulate(p, buckets, ab, overlap_cost=1)  # backward pauses while an all-reduce runs
+    assert serial.launch_s == [1, 4, 14] and serial.step_s == naive_step_time(p, buckets, ab) == 22
+    with pytest.raises(ValueError, match="overlap_cost"):
+        simulate(p, buckets, ab, overlap_cost=1.5)
+
+
+def test_full_overlap_cost_is_the_closed_form():
+    p = profile(ready=[0.004, 0.001, 0.003, 0.002, 0.0045], nbytes=[MiB, 2 * MiB, MiB, 3 * MiB, 64],
+                forward=0.002, tail=0.001)
+    ab = AlphaBeta(2e-4, 1e-9)
+    for cap in (0.5, 1, 2, 4, 25):
+        assignment = rebuilt_assignment(p, cap)
+        got = predict_step_time(p, ab, cap, overlap_cost=1).step_s
+        assert got == pytest.approx(naive_step_time(p, assignment, ab))
+
+
+def test_naive_is_never_faster_than_the_simulation():
+    p = profile(ready=[0.004, 0.001, 0.003, 0.002], nbytes=[MiB] * 4, forward=0.002)
+    ab = AlphaBeta(2e-4, 1e-9)
+    for cap in (0.5, 1, 2, 4, 25):
+        assignment = rebuilt_assignment(p, cap)
+        assert simulate(p, assignment, ab).step_s <= naive_step_time(p, assignment, ab) + 1e-12
+# --8<-- [end:simulate]
+
+
+# --8<-- [start:best]
+def test_best_bucket_cap_is_the_hand_computed_one():
+    # eight 1 MiB gradients, one every ms; an all-reduce costs 0.5 ms + 1 ms per MiB. By hand:
+    #   1 MiB buckets (1.5 ms each) queue up behind each other:   last finish 13 ms
+    #   2 MiB buckets (2.5 ms), full at 2, 4, 6, 8 ms:            4.5, 7, 9.5, 12 ms
+    #   4 MiB buckets (4.5 ms), full at 4 and 8 ms:               8.5, 13 ms
+    #   one 8 MiB bucket (8.5 ms) after backward:                 16.5 ms
+    p = profile(ready=[1e-3 * (k + 1) for k in range(8)], nbytes=[MiB] * 8)
+    ab = AlphaBeta(alpha_s=0.5e-3, beta_s_per_byte=1e-3 / MiB)
+    best, predictions = best_bucket_cap_mb(p, ab, caps=(0.5, 1, 2, 4, 8))
+    assert best == 2
+    got = {cap: round(pred.step_s * 1e3, 9) for cap, pred in predictions.items()}
+    assert got == {0.5: 13, 1: 13, 2: 12, 4: 13, 8: 16.5}
+    assert [len(pred.launch_s) for pred in predictions.values()] == [8, 8, 4, 2, 1]
+
+
+def test_buckets_are_filled_in_arrival_order_as_after_the_rebuild():
+    p = profile(ready=[3, 1, 2, 0], nbytes=[MiB] * 4)  # parameter 3 arrives first, then 1, 2, 0
+    assert rebuilt_assignment(p, 2) == [[3, 1], [2, 0]]
+    assert rebuilt_assignment(p, None) == [[3], [1, 2, 0]]  # torch's 1 MiB first bucket, then 25 MiB
+# --8<-- [end:best]
+
+
+def test_slowest_profile_takes_the_latest_rank_at_each_point():
+    fast = profile(ready=[1, 2], nbytes=[4, 4], forward=1, optimizer=1, tail=0.5)
+    slow = profile(ready=[0.5, 3], nbytes=[4, 4], forward=2, optimizer=2, tail=0.25)
+    merged = StepProfile.slowest([fast, slow])
+    assert merged.forward_s == 2 and merged.ready_s == [0.5, 3] and merged.optimizer_s == 2 and merged.tail_s == 0.5
+    late = profile(ready=[4, 2], nbytes=[4, 4], forward=0)  # gradient 0 at 4 s, but forward ended 2 s earlier
+    assert StepProfile.slowest([late, slow]).ready_s == [2, 3]
+
+
+def _traced(rank, world_size, cap):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(),
+                                torch.nn.Linear(64, 4))
+    tracer = Tracer(rank)
+    ddp = miniddp.DistributedDataParallel(model, bucket_cap_mb=cap, tracer=tracer)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for _ in range(2):  # the second step runs on the rebuilt buckets
+        tracer.clear()
+        dist.barrier()
+        with tracer.span("forward"):
+            loss = F.cross_entropy(ddp(torch.randn(8, 32)), torch.randint(0, 4, (8,)))
+        loss.backward()
+        with tracer.span("optimizer"):
+            opt.step()
+        opt.zero_grad()
+    return tracer.events, ddp.bucket_assignment, [n for n, _ in model.named_parameters()]
+
+
+def test_a_profile_read_from_a_real_trace_adds_up_and_predicts_ddps_own_buckets():
+    cap = 0.01  # about 10 KiB: two buckets here
+    results = run_on_ranks(_traced, 2, args=(cap,), timeout=60)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(),
+                                torch.nn.Linear(64, 4))
+    profiles = []
+    for events, assignment, names in results:
+        p = StepProfile.from_events(events, model.named_parameters())
+        profiles.append(p)
+        s = step_summary(events)
+        assert p.forward_s == pytest.approx(s["forward_s"]) and p.optimizer_s == pytest.approx(s["optimizer_s"])
+        measured_backward = s["step_s"] - s["forward_s"] - s["optimizer_s"]
+        finish = max(e["t"] for e in events if e["name"] == "bucket finished") - min(
+            e["t"] for e in events if e["name"] == "backward start")
+        assert max(p.backward_s, finish) + p.tail_s == pytest.approx(measured_backward)  # nothing left out
+        assert p.ready_s.index(min(p.ready_s)) == len(names) - 1  # the head's bias is ready first
+        predicted = [[names[i] for i in bucket] for bucket in rebuilt_assignment(p, cap)]
+        assert predicted == assignment  # the model simulates the buckets DDP really built
+    merged = StepProfile.slowest(profiles)
+    assert merged.backward_s >= min(p.backward_s for p in profiles)
+    prediction = predict_step_time(merged, AlphaBeta(1e-4, 1e-9), cap)
+    assert len(prediction.launch_s) == len(results[0][1]) and prediction.step_s > merged.forward_s

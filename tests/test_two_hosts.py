@@ -56,24 +56,24 @@ LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "G
                       "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
 
-@pytest.fixture(scope="module")
-def hosts():
-    """Hosts A and B for the jobs that run undisturbed."""
+def _pair():
     why = unavailable()
     if why:
         pytest.skip(f"two hosts are two network namespaces: {why}")
     with two_hosts() as pair:
         yield pair
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    """Hosts A and B for the jobs that run undisturbed."""
+    yield from _pair()
 
 
 @pytest.fixture(scope="module")
 def hosts_to_cut():
     """Another pair, for the job whose link goes down (the others keep theirs)."""
-    why = unavailable()
-    if why:
-        pytest.skip(f"two hosts are two network namespaces: {why}")
-    with two_hosts() as pair:
-        yield pair
+    yield from _pair()
 
 
 # --- running jobs: one launcher per host, output to files, every process killable -----------------

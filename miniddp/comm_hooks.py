@@ -180,6 +180,21 @@ def bf16_compress_hook(process_group, bucket) -> torch.futures.Future:
 # --8<-- [end:compress]
 
 
+# --8<-- [start:in_call]
+def issues_everything_in_call(hook) -> bool:
+    """Does ``hook`` issue all its collectives before it returns (none from a future's callback)? Then the
+    reducer may hand bucket k+1 over while bucket k still travels: the order of issue is the order of calls.
+    True for the default path and the compression hooks (ours and torch's); PowerSGD is not."""
+    if hook in (allreduce_hook, fp16_compress_hook, bf16_compress_hook):
+        return True
+    try:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as theirs
+    except ImportError:  # a torch without comm hooks
+        return False
+    return hook in (theirs.allreduce_hook, theirs.fp16_compress_hook)
+# --8<-- [end:in_call]
+
+
 from .powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook  # noqa: E402  (uses all_reduce above)
 
 __all__ = ["ByteCount", "GradBucket", "PowerSGDState", "allreduce_hook", "batched_powerSGD_hook",

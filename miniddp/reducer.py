@@ -19,9 +19,11 @@ Why
     by order, so ranks launching buckets 3, 2 and 2, 3 would sum the wrong
     buffers (or deadlock). A hook may also issue collectives *later*, from its
     future's callbacks on a communication thread (PowerSGD sends Q once P is
-    summed), so bucket k goes to the hook only once bucket k-1's future is done:
-    every rank issues all of bucket 0's collectives, then bucket 1's, whatever
-    a hook does inside.
+    summed): for such a hook bucket k goes to the hook only once bucket k-1's
+    future is done, so every rank issues all of bucket 0's collectives, then
+    bucket 1's, whatever the hook does inside. The default path and the
+    compression hooks issue everything inside the call; their buckets travel
+    concurrently (``comm_hooks.issues_everything_in_call``).
 
 How torch differs
     ``torch/csrc/distributed/c10d/reducer.cpp`` has the same parts in C++
@@ -30,8 +32,8 @@ How torch differs
     ready: on gloo, where a future completes with its collective, torch's
     PowerSGD then issues the P and Q all-reduces of different buckets in a
     different order on each rank, and hangs. On NCCL a future completes at
-    *enqueue*, so our wait costs nothing there; on gloo, buckets communicate one
-    at a time, still overlapping backward. As in torch, only a backward that
+    *enqueue*, so our wait costs nothing there; on gloo, a PowerSGD bucket
+    communicates after the previous one, still overlapping backward. As in torch, only a backward that
     reaches the parameters syncs (a ``torch.autograd.grad`` gradient penalty
     leaves the sync armed). Which ranks had each gradient travels in one small
     all-reduce after the last bucket (``unused.UsedCounts``; torch: a bitmap,
@@ -51,7 +53,7 @@ import torch.distributed as dist
 from torch.autograd.graph import get_gradient_edge
 
 from .bucketing import build_buckets, compute_bucket_assignment, rebuilt_assignment
-from .comm_hooks import allreduce_hook, hook_name, hook_result
+from .comm_hooks import allreduce_hook, hook_name, hook_result, issues_everything_in_call
 from .no_sync import Accumulated
 from .timeouts import naming_stalled_ranks
 from .unused import (NOTHING_UNUSED, UsedCounts, check_counts, find_tensors, gradient_twice_message,
@@ -94,6 +96,7 @@ class Reducer:
         self.tracer = tracer  # optional miniddp.trace.Tracer
         self.hook, self.hook_state = allreduce_hook, process_group  # what each ready bucket goes through
         self.custom_hook = False  # register_comm_hook was called: the hook divides, not the copy-in
+        self.overlap_buckets = True  # the hook issues all its collectives in the call: no wait between buckets
         # registration order, buckets filled then reversed: the last layers reduce first
         self._install(list(reversed(compute_bucket_assignment(self.params, self.size_limits))))
         self.backward: Backward | None = None  # armed by a synced forward until its backward ends
@@ -111,6 +114,7 @@ class Reducer:
 
     def set_comm_hook(self, state, hook) -> None:
         self.hook, self.hook_state, self.custom_hook = hook, state, True
+        self.overlap_buckets = issues_everything_in_call(hook)
 
     @property
     def waiting_for_backward(self) -> bool:
@@ -206,10 +210,12 @@ class Reducer:
 
     # --8<-- [start:launch]
     def _launch(self, state: Backward, wait: bool = False) -> None:
-        """Hand complete buckets to the hook in bucket order, each once the previous bucket's future is
-        done: the previous hook has then issued all its collectives, callbacks included."""
+        """Hand complete buckets to the hook in bucket order. A hook that may issue collectives from its
+        future's callbacks (PowerSGD) gets bucket k only once bucket k-1's future is done: that hook has then
+        issued all its collectives. The default path and the compression hooks issue everything inside the
+        call, so several buckets travel at once (gloo and NCCL pair collectives by order of issue)."""
         while state.next_bucket < len(self.buckets) and state.pending[state.next_bucket] == 0:
-            if state.futures and not state.futures[-1].done():
+            if not self.overlap_buckets and state.futures and not state.futures[-1].done():
                 if not wait:
                     return  # again at the next gradient, or at the end of backward
                 self._wait(state.next_bucket - 1, state.futures[-1])
@@ -245,10 +251,15 @@ class Reducer:
                     state.local_unused.append(i)
                     self._mark_unused(i)
             self._launch(state, wait=True)  # the buckets still waiting for their turn
+            device = self.buckets[0].buffer.device
+            # issued after every hook's last collective, so nothing comes between them on any rank: at once
+            # when the hook issued everything in its calls (it then travels with the last bucket), else after
+            summed = state.counts.all_reduce(self.group, device) if self.overlap_buckets else None
             results = [hook_result(self.hook, b.index, self._wait(b.index, f), b.buffer)
                        for b, f in zip(self.buckets, state.futures)]
-            # after every hook's last collective, so nothing can come between them on any rank
-            self._wait("used-counts all-reduce", state.counts.all_reduce(self.group, self.buckets[0].buffer.device))
+            if summed is None:
+                summed = state.counts.all_reduce(self.group, device)
+            self._wait("used-counts all-reduce", summed)
             counts = state.counts.counts()
             for bucket, result in zip(self.buckets, results):
                 bucket.write_back(result, counts, state.kept, self.as_view)  # the one place that sets .grad

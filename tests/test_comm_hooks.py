@@ -293,3 +293,40 @@ def _wrap_twice(rank, world_size):
 def test_wrapping_a_module_twice_leaves_no_stale_hooks():
     [(hooks, first, second)] = run_on_ranks(_wrap_twice, 1, timeout=30)
     assert hooks == [1] * 6 and (first, second) == (1, 2)
+
+
+def _pending_at_each_call(rank, world_size, registered):
+    """How many earlier buckets' futures were still running each time the reducer called the hook, on
+    rank 0, while rank 1 sleeps at the start of its backward (so no all-reduce can finish before)."""
+    import time
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+    ddp = miniddp.DistributedDataParallel(model, bucket_cap_mb=0.01)  # 7 buckets: a weight closes one
+    reducer, seen = ddp.reducer, []
+
+    def recording(state, bucket):
+        seen.append(sum(not f.done() for f in reducer.backward.futures))
+        return comm_hooks.allreduce_hook(state, bucket)
+
+    if registered:  # a hook the reducer cannot vouch for: one bucket at a time
+        ddp.register_comm_hook(dist.group.WORLD, recording)
+    else:  # the default path's hook, seen through a wrapper that keeps the default's ordering rule
+        reducer.hook = recording
+    out = ddp(torch.randn(4, 64))
+    if rank == 1:
+        out.register_hook(lambda g: time.sleep(0.5) or g)
+    out.sum().backward()
+    return seen, len(reducer.buckets)
+
+
+def test_default_path_overlaps_buckets_and_other_hooks_go_one_at_a_time():
+    # the default all-reduce (and the compression hooks) issue their one collective inside the call, so
+    # bucket k+1 may start while bucket k travels; a hook that might issue more from a callback may not
+    [(seen, buckets), _] = run_on_ranks(_pending_at_each_call, 2, args=(False,), timeout=60)
+    assert buckets == 7 and seen == list(range(7)), seen  # rank 1 asleep: nothing finished, all launched
+    [(seen, buckets), _] = run_on_ranks(_pending_at_each_call, 2, args=(True,), timeout=60)
+    assert seen == [0] * 7, seen
+    assert comm_hooks.issues_everything_in_call(torch_hooks.fp16_compress_hook)
+    assert not comm_hooks.issues_everything_in_call(powerSGD_hook)
+    assert not comm_hooks.issues_everything_in_call(torch_powersgd.powerSGD_hook)

@@ -197,5 +197,24 @@ def issues_everything_in_call(hook) -> bool:
 
 from .powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook  # noqa: E402  (uses all_reduce above)
 
-__all__ = ["ByteCount", "GradBucket", "PowerSGDState", "allreduce_hook", "batched_powerSGD_hook",
-           "bf16_compress_hook", "count_bytes", "fp16_compress_hook", "powerSGD_hook"]
+# --8<-- [start:by_name]
+COMM_HOOKS = ("no", "fp16", "bf16", "power_sgd", "batched_power_sgd")  # Accelerate's DDPCommunicationHookType
+
+
+def hook_by_name(name: str, process_group=None, powersgd_rank: int = 1, powersgd_start_iter: int = 1_000):
+    """``(state, hook)`` for a ``--ddp_comm_hook`` name (``None`` for "no"), as Accelerate's
+    ``DistributedDataParallelKwargs(comm_hook=...)`` builds it; PowerSGD's state gets the rank and start step."""
+    if name == "no":
+        return None
+    if name in ("fp16", "bf16"):
+        return process_group, {"fp16": fp16_compress_hook, "bf16": bf16_compress_hook}[name]
+    if name in ("power_sgd", "batched_power_sgd"):
+        state = PowerSGDState(process_group, matrix_approximation_rank=powersgd_rank,
+                              start_powerSGD_iter=powersgd_start_iter)
+        return state, powerSGD_hook if name == "power_sgd" else batched_powerSGD_hook
+    raise ValueError(f"ddp_comm_hook={name!r} must be one of {', '.join(COMM_HOOKS)}")
+# --8<-- [end:by_name]
+
+
+__all__ = ["COMM_HOOKS", "ByteCount", "GradBucket", "PowerSGDState", "allreduce_hook", "batched_powerSGD_hook",
+           "bf16_compress_hook", "count_bytes", "fp16_compress_hook", "hook_by_name", "powerSGD_hook"]

@@ -37,6 +37,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 
 from .backend import valid_backend_names
+from .comm_hooks import COMM_HOOKS
 from .timeouts import DEFAULT_TIMEOUT_S, as_timedelta
 
 MIXED_PRECISION = ("no", "bf16", "fp16")
@@ -46,7 +47,7 @@ MODELS = ("mlp", "bn", "lm")
 
 def choices() -> dict[str, list[str]]:
     """The fields that take one of a few names, and those names (validation and ``--help`` share them)."""
-    return {"ddp_backend": valid_backend_names(), "mixed_precision": list(MIXED_PRECISION),
+    return {"ddp_backend": valid_backend_names(), "ddp_comm_hook": list(COMM_HOOKS), "mixed_precision": list(MIXED_PRECISION),
             "loss_normalization": list(LOSS_NORMALIZATION), "model": list(MODELS)}
 
 
@@ -74,6 +75,9 @@ class TrainingConfig:
     ddp_bucket_cap_mb: float | None = None  # DDP's bucket_cap_mb in MiB; none: 1 MiB first, then 25 MiB
     ddp_broadcast_buffers: bool = True  # DDP's broadcast_buffers: copy rank 0's buffers before each forward
     ddp_timeout: float = DEFAULT_TIMEOUT_S  # seconds a collective may wait for the other ranks
+    ddp_comm_hook: str = "no"  # DDP communication hook (Accelerate's names): compress what crosses the wire
+    ddp_comm_powersgd_rank: int = 1  # PowerSGD's matrix_approximation_rank (power_sgd, batched_power_sgd)
+    ddp_comm_powersgd_start_iter: int = 1000  # PowerSGD's start_powerSGD_iter: plain all-reduce before this step
     use_cpu: bool = False  # train on the CPU even where there is a GPU (the backend does not choose the device)
     gradient_checkpointing: bool = False  # recompute activations in backward (model.gradient_checkpointing_enable)
     mixed_precision: str = "no"  # autocast to bf16, or fp16 with a GradScaler; no: fp32
@@ -95,7 +99,7 @@ class TrainingConfig:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
 
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                     "logging_steps", "dataset_size"):
+                     "logging_steps", "dataset_size", "ddp_comm_powersgd_rank"):
             positive_int(name)
         if not isinstance(self.max_steps, int) or (self.max_steps < 1 and self.max_steps != -1):
             raise ValueError(f"max_steps={self.max_steps!r} must be >= 1, or -1 to train for num_train_epochs")
@@ -115,6 +119,9 @@ class TrainingConfig:
         if self.ddp_bucket_cap_mb is not None and not self.ddp_bucket_cap_mb > 0:
             raise ValueError(f"ddp_bucket_cap_mb={self.ddp_bucket_cap_mb!r} must be > 0 (MiB), e.g. 25")
         as_timedelta(self.ddp_timeout, name="ddp_timeout")
+        if not isinstance(self.ddp_comm_powersgd_start_iter, int) or self.ddp_comm_powersgd_start_iter < 2:
+            raise ValueError(f"ddp_comm_powersgd_start_iter={self.ddp_comm_powersgd_start_iter!r} must be an integer "
+                             ">= 2: PowerSGD keeps its memories per bucket, and DDP rebuilds the buckets after step 1")
         for name, allowed in choices().items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {', '.join(allowed)}")

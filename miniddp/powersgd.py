@@ -79,6 +79,20 @@ class PowerSGDState:
         if bucket.is_last():
             self.iter += 1
 
+    def state_dict(self) -> dict:
+        """This rank's memories (error feedback, warm-start Qs), step count and generator: an exact resume
+        needs them, and they differ between ranks (``rank_<r>.pt`` in a checkpoint)."""
+        name, keys, pos, has_gauss, cached = self.rng.get_state()  # as tensors: torch.load(weights_only=True)
+        return {"iter": self.iter, "error_dict": self.error_dict, "q_memory_dict": self.q_memory_dict,
+                "rng": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
+                "numel": (self.total_numel_before_compression, self.total_numel_after_compression)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.iter, self.error_dict, self.q_memory_dict = state["iter"], state["error_dict"], state["q_memory_dict"]
+        name, keys, pos, has_gauss, cached = state["rng"]
+        self.rng.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+        self.total_numel_before_compression, self.total_numel_after_compression = state["numel"]
+
     def compression_stats(self) -> tuple[float, int, int]:
         """(rate, elements before, elements after), summed over every compressed step, as torch reports."""
         before, after = self.total_numel_before_compression, self.total_numel_after_compression

@@ -44,7 +44,8 @@ except ImportError:  # numpy is optional for torch
 # what a resumed run must share with the checkpoint's, beyond the model's layout:
 GEOMETRY = ("world_size", "per_device_train_batch_size", "gradient_accumulation_steps", "train_samples")
 SCHEDULE = ("seed", "learning_rate", "weight_decay", "max_grad_norm", "max_steps", "num_train_epochs",
-            "mixed_precision", "model", "dataset_size", "dropout", "loss_normalization")
+            "mixed_precision", "model", "dataset_size", "dropout", "loss_normalization", "ddp_comm_hook",
+            "ddp_comm_powersgd_rank", "ddp_comm_powersgd_start_iter")
 
 
 class SetupChangedError(ValueError):

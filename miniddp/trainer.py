@@ -46,6 +46,7 @@ from torch.utils.data import DataLoader
 from .batches import compute_loss, count_items, evaluate
 from .checkpoint import checkpoints, load_checkpoint_on_every_rank, on_every_rank, save_checkpoint
 from .config import TrainingConfig
+from .comm_hooks import hook_by_name
 from .ddp import DistributedDataParallel, move_to
 from .env import init_distributed
 from .no_sync import accumulation_windows
@@ -79,6 +80,10 @@ class Trainer:
             self.model, device_ids=[self.device] if self.device.type == "cuda" else None,
             bucket_cap_mb=args.ddp_bucket_cap_mb, broadcast_buffers=args.ddp_broadcast_buffers,
             find_unused_parameters=args.ddp_find_unused_parameters)
+        self.comm_hook = hook_by_name(args.ddp_comm_hook, None, args.ddp_comm_powersgd_rank,
+                                      args.ddp_comm_powersgd_start_iter)  # (state, hook), or None: plain all-reduce
+        if self.comm_hook is not None:
+            self.ddp.register_comm_hook(*self.comm_hook)
         seed_per_rank(args.seed, self.rank)  # after the wrap: rank 0's initial weights are everyone's
         self.sampler = ShardSampler(train_dataset, num_replicas=self.world_size, rank=self.rank, shuffle=True,
                                     seed=args.seed)
@@ -226,7 +231,12 @@ class Trainer:
         # each rank's unreported loss travels in its own file: no all-reduce here, so a save does not
         # change how the losses are summed, and train_loss is the same with or without interruptions
         return save_checkpoint(self.args.output_dir, step, states, self.rank, self.args.save_total_limit,
-                               rank_state={"pending_loss": self.pending_loss.cpu()})
+                               rank_state={"pending_loss": self.pending_loss.cpu(), "comm_hook": self._hook_state()})
+
+    def _hook_state(self):
+        """PowerSGD's memories differ per rank: they go to ``rank_<r>.pt``. Other hooks keep nothing."""
+        state = self.comm_hook[0] if self.comm_hook else None
+        return state.state_dict() if hasattr(state, "state_dict") else None
 
     def _resume(self, where) -> None:
         path = where
@@ -253,6 +263,10 @@ class Trainer:
         if "rank_state" in state:  # absent for a rank beyond the saved world size (resume_allow_changes)
             set_rng_state(state["rank_state"]["rng"])
             self.pending_loss.copy_(state["rank_state"]["pending_loss"])
+            hook_state = state["rank_state"].get("comm_hook")
+            target = self.comm_hook[0] if self.comm_hook else None  # the hook's state, if it has one to load
+            if hook_state is not None and hasattr(target, "load_state_dict"):
+                target.load_state_dict(hook_state)
         if notice:
             if self.rank == 0:
                 print(f"miniddp: {notice}", file=sys.stderr, flush=True)

@@ -28,7 +28,8 @@ def test_effective_batch_is_the_product(per_device, world, accumulation, effecti
     ("learning_rate", 0), ("learning_rate", math.nan), ("max_steps", 0), ("ddp_timeout", 0),
     ("ddp_timeout", -5), ("ddp_bucket_cap_mb", 0), ("ddp_backend", "ncl"), ("mixed_precision", "fp8"),
     ("loss_normalization", "tokens"), ("model", "resnet"), ("save_total_limit", 0), ("dropout", 1.0),
-    ("logging_steps", 0), ("max_grad_norm", -1),
+    ("logging_steps", 0), ("max_grad_norm", -1), ("ddp_comm_hook", "powersgd"), ("ddp_comm_powersgd_rank", 0),
+    ("ddp_comm_powersgd_start_iter", 1),
 ])
 def test_bad_values_name_their_field(field, value):
     with pytest.raises(ValueError, match=field):

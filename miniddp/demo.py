@@ -42,6 +42,7 @@ def main(argv=None) -> float:
     parser.add_argument("--ddp_timeout", type=float, default=1800)
     args = parser.parse_args(argv)
 
+    # --8<-- [start:setup]
     env = miniddp.init_distributed(backend=args.ddp_backend, timeout=args.ddp_timeout)
     torch.manual_seed(0)  # same initial weights on every rank
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).to(env.device)
@@ -49,10 +50,12 @@ def main(argv=None) -> float:
     dataset = make_task()
     sampler = miniddp.ShardSampler(dataset, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=0)
     loader = DataLoader(dataset, batch_size=args.per_device_train_batch_size, sampler=sampler)
+    # --8<-- [end:setup]
     if env.is_main_process:
         print(f"world_size={env.world_size} backend={env.backend} device={env.device} "
               f"global batch={args.per_device_train_batch_size * env.world_size}")
 
+    # --8<-- [start:loop]
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         total = torch.zeros(2, device=env.device)  # (sum of losses, number of batches)
@@ -67,7 +70,9 @@ def main(argv=None) -> float:
         mean_loss = (total[0] / total[1]).item()
         if env.is_main_process:
             print(f"epoch {epoch}: train loss {mean_loss:.4f}")
+    # --8<-- [end:loop]
 
+    # --8<-- [start:check]
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     copies = [torch.empty_like(flat) for _ in range(env.world_size)]
     dist.all_gather(copies, flat)  # every rank's parameters, to compare
@@ -77,6 +82,7 @@ def main(argv=None) -> float:
     dist.destroy_process_group()
     if not identical:
         raise SystemExit("ranks diverged: gradients were not averaged the same way everywhere")
+    # --8<-- [end:check]
     return mean_loss
 
 

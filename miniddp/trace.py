@@ -205,6 +205,7 @@ def plot_timeline(events_per_rank, path, title: str = "one DDP step") -> dict:
     bucket_colour = lambda b: bucket_colours(n_buckets)[b]  # noqa: E731  (the same on every rank)
     compute = {"forward": "#9ecae1", "backward": "#3182bd", "finalize": "#d9d9d9", "optimizer": "#756bb1"}
     fig, ax = plt.subplots(figsize=(11, 1.6 + 1.3 * len(events_per_rank)))
+    span_ms = max(e["t"] for events in events_per_rank for e in events) * 1e3 - t0 * 1e3
     summaries, labels = [], []
     for rank, events in enumerate(events_per_rank):
         s = step_summary(events)
@@ -214,11 +215,23 @@ def plot_timeline(events_per_rank, path, title: str = "one DDP step") -> dict:
         for e in sorted(events, key=lambda e: e["t"]):
             first.setdefault(e["name"], e["t"])
         compute_end = first["backward start"] + s["backward_compute_s"]
+        buckets = sorted(((start, end, e["bucket"]) for name, start, end, e in _spans(events)
+                          if name.startswith("all-reduce")))
+        lanes: list[float] = []  # buckets in flight at once get lanes of their own: no bar hides another
+        placed = []
+        for start, end, b in buckets:
+            lane = next((i for i, free in enumerate(lanes) if free <= start), len(lanes))
+            lanes[lane:lane + 1] = [end]
+            placed.append((start, end, b, lane))
+        height = 0.7 / max(1, len(lanes))
+        for start, end, b, lane in placed:
+            y = y_comm - 0.35 + height * (lane + 0.5)
+            ax.barh(y, ms(end) - ms(start), left=ms(start), height=height, color=bucket_colour(b),
+                    edgecolor="black", linewidth=0.4, zorder=2)
+            if ms(end) - ms(start) > 0.018 * span_ms:  # its number on it, where it fits
+                ax.text((ms(start) + ms(end)) / 2, y, str(b), ha="center", va="center", fontsize=10, zorder=4)
         for name, start, end, e in _spans(events):
-            if name.startswith("all-reduce"):
-                ax.barh(y_comm, ms(end) - ms(start), left=ms(start), height=0.7, color=bucket_colour(e["bucket"]),
-                        edgecolor="black", linewidth=0.4)
-            elif name == "backward":  # compute until the last gradient, then wait + copy back
+            if name == "backward":  # compute until the last gradient, then wait + copy back
                 ax.barh(y_comp, ms(compute_end) - ms(start), left=ms(start), height=0.7, color=compute["backward"])
                 ax.barh(y_comp, ms(end) - ms(compute_end), left=ms(compute_end), height=0.7,
                         color=compute["finalize"])
@@ -226,12 +239,14 @@ def plot_timeline(events_per_rank, path, title: str = "one DDP step") -> dict:
                 ax.barh(y_comp, ms(end) - ms(start), left=ms(start), height=0.7, color=compute[name])
         if "optimizer step" in first and "optimizer start" not in first:  # an instant: a thin bar
             ax.barh(y_comp, 0.3, left=ms(first["optimizer step"]), height=0.7, color=compute["optimizer"])
-        if s["exposed_comm_s"] > 0:  # the communication nothing hides: shaded, with its total
+        if s["exposed_comm_s"] > 0:  # the communication nothing hides: shaded *behind* the bars, underlined
             last = compute_end + s["exposed_comm_s"]
-            ax.fill_between([ms(compute_end), ms(last)], y_comm - 0.45, y_comm + 0.45, facecolor=(1, 0, 0, 0.15),
-                            hatch="///", edgecolor="red", linewidth=0, zorder=3)
+            ax.fill_between([ms(compute_end), ms(last)], y_comm - 0.45, y_comm + 0.45, facecolor=(1, 0, 0, 0.12),
+                            hatch="///", edgecolor=(1, 0, 0, 0.5), linewidth=0, zorder=1)
+            ax.plot([ms(compute_end), ms(last)], [y_comm + 0.47] * 2, color="red", linewidth=2.5,
+                    solid_capstyle="butt", zorder=3)
             ax.text(ms(last), y_comm, f"  exposed {s['exposed_comm_s'] * 1e3:.1f} ms", color="darkred",
-                    fontsize=9, va="center", ha="left")
+                    fontsize=10, va="center", ha="left")
         labels += [f"rank {rank} compute", f"rank {rank} all-reduce"]
     ax.set_yticks(range(len(labels)), labels, fontsize=10)
     ax.invert_yaxis()
@@ -242,11 +257,12 @@ def plot_timeline(events_per_rank, path, title: str = "one DDP step") -> dict:
     handles = [Patch(color=c, label={"finalize": "wait + copy-back"}.get(k, k)) for k, c in compute.items()]
     shown = range(n_buckets) if n_buckets <= 8 else (0, 1, n_buckets - 1)  # a gradient: its ends suffice
     handles += [Patch(facecolor=bucket_colour(b), edgecolor="black", label=f"bucket {b}") for b in shown]
-    handles.append(Patch(facecolor=(1, 0, 0, 0.15), hatch="///", edgecolor="red", label="exposed communication"))
+    handles.append(Patch(facecolor=(1, 0, 0, 0.12), hatch="///", edgecolor="red", label="exposed communication"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.5 / len(events_per_rank)),
-              ncol=min(8, len(handles)), fontsize=9, frameon=False)
+              ncol=min(8, len(handles)), fontsize=10, frameon=False)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    with plt.rc_context({"svg.fonttype": "none"}):  # SVG text stays text: selectable, sharp at any size
+        fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return summaries

@@ -45,12 +45,14 @@ DEFAULT_BUCKET_CAP_MB = 25  # torch's bucket_cap_mb default
 DEFAULT_FIRST_BUCKET_BYTES = 1 * MiB  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 
 
-def bucket_size_limits(bucket_cap_mb: float | None) -> list[int]:
-    """Byte limits as torch DDP uses them: ``None`` -> 1 MiB first, then 25 MiB."""
-    if bucket_cap_mb is None:
+def bucket_size_limits(bucket_cap_mb: float | str | None) -> list[int]:
+    """Byte limits as torch DDP uses them: ``None`` -> 1 MiB first, then 25 MiB. ``"auto"`` starts with the
+    same and lets the rebuild choose the cap (``auto_bucket.py``)."""
+    if bucket_cap_mb is None or bucket_cap_mb == "auto":
         return [DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_CAP_MB * MiB]
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
-        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be a number > 0 (MiB), e.g. 25")
+        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be a number > 0 (MiB), e.g. 25, or \"auto\" "
+                         "(the cost model chooses it after the first step), or None (torch's 1 MiB + 25 MiB)")
     return [int(bucket_cap_mb * MiB)]
 
 

@@ -72,7 +72,7 @@ class TrainingConfig:
     overwrite_output_dir: bool = False  # delete another run's results in output_dir instead of refusing to start
     ddp_backend: str = "auto"  # process-group backend; auto: from the device (gloo on CPU, nccl on CUDA)
     ddp_find_unused_parameters: bool = False  # DDP's find_unused_parameters: allow parameters without gradient
-    ddp_bucket_cap_mb: float | None = None  # DDP's bucket_cap_mb in MiB; none: 1 MiB first, then 25 MiB
+    ddp_bucket_cap_mb: float | str | None = None  # DDP's bucket_cap_mb in MiB, or auto (the cost model picks it); none: 1 MiB, then 25 MiB
     ddp_broadcast_buffers: bool = True  # DDP's broadcast_buffers: copy rank 0's buffers before each forward
     ddp_timeout: float = DEFAULT_TIMEOUT_S  # seconds a collective may wait for the other ranks
     ddp_comm_hook: str = "no"  # DDP communication hook (Accelerate's names): compress what crosses the wire
@@ -116,8 +116,10 @@ class TrainingConfig:
             raise ValueError("save_steps and eval_size must be >= 0 (0 disables them)")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ValueError(f"save_total_limit={self.save_total_limit!r} must be >= 1, or None to keep all")
-        if self.ddp_bucket_cap_mb is not None and not self.ddp_bucket_cap_mb > 0:
-            raise ValueError(f"ddp_bucket_cap_mb={self.ddp_bucket_cap_mb!r} must be > 0 (MiB), e.g. 25")
+        cap = self.ddp_bucket_cap_mb
+        if cap not in (None, "auto") and (isinstance(cap, (str, bool)) or not cap > 0):
+            raise ValueError(f"ddp_bucket_cap_mb={cap!r} must be > 0 (MiB), e.g. 25, or auto (chosen after step 1 by "
+                             "the cost model), or none (1 MiB first, then 25 MiB)")
         as_timedelta(self.ddp_timeout, name="ddp_timeout")
         if not isinstance(self.ddp_comm_powersgd_start_iter, int) or self.ddp_comm_powersgd_start_iter < 2:
             raise ValueError(f"ddp_comm_powersgd_start_iter={self.ddp_comm_powersgd_start_iter!r} must be an integer "

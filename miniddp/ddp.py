@@ -10,7 +10,9 @@ What
     (``bucketing.py``, ``reducer.py``), unless the forward ran in ``no_sync()``
     (``no_sync.py``); parameters without gradients are handled or reported
     (``unused.py``); ranks with fewer batches shadow the others inside
-    ``join()`` (``join.py``). Forwards under ``torch.no_grad()`` or
+    ``join()`` (``join.py``). ``bucket_cap_mb="auto"`` lets the cost model
+    choose the cap at the rebuild (``auto_bucket.py``; torch has no such
+    option). Forwards under ``torch.no_grad()`` or
     ``inference_mode()`` never communicate, so rank 0 can evaluate alone.
 
 Why
@@ -40,6 +42,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from .auto_bucket import AutoBucketCap
 from .bucketing import bucket_size_limits
 from .buffers import broadcast_buffers, refuse_sparse_gradients, sync_module_states, verify_same_model
 from .join import Join
@@ -65,7 +68,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.require_backward_grad_sync = True  # False inside no_sync()
         self._join = None  # the open join() context, if any (join.py)
         self._started = False  # a grad-enabled forward has run: too late for register_comm_hook
-        limits = bucket_size_limits(bucket_cap_mb)
+        limits = bucket_size_limits(bucket_cap_mb)  # "auto": torch's defaults until the rebuild chooses
         # --8<-- [start:wrap]
         verify_same_model(module, self.process_group, include_buffers=broadcast_buffers)  # or a clear error
         refuse_sparse_gradients(module)  # our buckets are dense
@@ -78,7 +81,8 @@ class DistributedDataParallel(torch.nn.Module):
         announce_process()  # host:pid in the store, so a stall elsewhere can name this rank
         self.reducer = Reducer([p for _, p in named], [n for n, _ in named], self.process_group, limits,
                                find_unused_parameters=find_unused_parameters,
-                               gradient_as_bucket_view=gradient_as_bucket_view, tracer=tracer)
+                               gradient_as_bucket_view=gradient_as_bucket_view, tracer=tracer,
+                               auto_cap=AutoBucketCap() if bucket_cap_mb == "auto" else None)
         # --8<-- [end:wrap]
 
     # --8<-- [start:forward]
@@ -163,17 +167,38 @@ class DistributedDataParallel(torch.nn.Module):
         """Parameter names per bucket, in the order the buckets are reduced."""
         return self.reducer.bucket_names
 
+    @property
+    def auto_bucket_cap_mb(self) -> float | None:
+        """``bucket_cap_mb="auto"``: the cap the rebuild chose (``None`` before it, or without "auto")."""
+        auto = self.reducer.auto_cap
+        return auto.choice.cap_mb if auto is not None and auto.choice is not None else None
+
+    @property
+    def auto_bucket_report(self) -> dict | None:
+        """``bucket_cap_mb="auto"``: the cap, the α–β fit, the predicted milliseconds and buckets per candidate
+        cap, and what measuring cost (``auto_bucket.AutoChoice.report``)."""
+        auto = self.reducer.auto_cap
+        return auto.choice.report() if auto is not None and auto.choice is not None else None
+
     def layout_state(self) -> dict:
         """What an exact resume needs from the reducer: whether and how the buckets were rebuilt.
         With more than 2 ranks gloo's ring sums each element in an order set by its offset in its bucket,
-        so a resumed run must all-reduce with the same layout (torch DDP has no such state)."""
+        so a resumed run must all-reduce with the same layout (torch DDP has no such state); with
+        ``bucket_cap_mb="auto"``, the cap it chose (a resumed run rebuilds with it, without measuring)."""
         r = self.reducer
-        return {"rebuilt": r.rebuilt, "rebuild_due": r.rebuild_due, "ready_order": list(r.ready_order)}
+        return {"rebuilt": r.rebuilt, "rebuild_due": r.rebuild_due, "ready_order": list(r.ready_order),
+                "auto_bucket_cap_mb": self.auto_bucket_cap_mb,  # then the ready times, if not chosen yet:
+                "auto_ready_s": sorted(r.auto_cap.ready_s.items()) if r.auto_cap is not None else []}
 
     def load_layout_state(self, state: dict) -> None:
         """Every rank, before the first forward of a resumed run: the saved layout (or rebuild due)."""
         r = self.reducer
         r.ready_order = list(state["ready_order"])
+        if r.auto_cap is not None and state.get("auto_bucket_cap_mb") is not None:
+            r.auto_cap.restore(state["auto_bucket_cap_mb"])  # the interrupted run's choice: no re-measuring
+        elif r.auto_cap is not None and state.get("auto_ready_s"):
+            r.auto_cap.ready_s = {int(i): float(t) for i, t in state["auto_ready_s"]}  # saved before the rebuild
+            r.auto_cap.recording = False
         if state["rebuilt"] and not r.rebuilt:
             r.rebuild()  # from the saved arrival order: the layout the interrupted run had (a broadcast)
         r.rebuild_due = state["rebuild_due"] and not r.rebuilt

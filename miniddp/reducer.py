@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.graph import get_gradient_edge
 
-from .bucketing import build_buckets, compute_bucket_assignment, rebuilt_assignment
+from .bucketing import bucket_size_limits, build_buckets, compute_bucket_assignment, rebuilt_assignment
 from .comm_hooks import allreduce_hook, hook_name, hook_result, issues_everything_in_call
 from .no_sync import Accumulated
 from .timeouts import naming_stalled_ranks
@@ -85,7 +85,7 @@ class Reducer:
     """Bucketed, overlapped gradient averaging for a list of parameters, through a comm hook."""
 
     def __init__(self, params, names, process_group, size_limits, *, find_unused_parameters=False,
-                 gradient_as_bucket_view=False, tracer=None):
+                 gradient_as_bucket_view=False, tracer=None, auto_cap=None):
         self.params = list(params)  # parameters that require grad, registration order
         self.names = list(names)  # their qualified names
         self.group = process_group  # who we average with
@@ -94,6 +94,7 @@ class Reducer:
         self.find_unused = find_unused_parameters  # walk the graph after each forward?
         self.as_view = gradient_as_bucket_view  # .grad is a view into the bucket
         self.tracer = tracer  # optional miniddp.trace.Tracer
+        self.auto_cap = auto_cap  # bucket_cap_mb="auto": an auto_bucket.AutoBucketCap, which sets the rebuild's cap
         self.hook, self.hook_state = allreduce_hook, process_group  # what each ready bucket goes through
         self.custom_hook = False  # register_comm_hook was called: the hook divides, not the copy-in
         self.overlap_buckets = True  # the hook issues all its collectives in the call: no wait between buckets
@@ -165,6 +166,8 @@ class Reducer:
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)  # runs after backward
         if self.tracer is not None:
             self.tracer.event("backward start")
+        if self.auto_cap is not None:
+            self.auto_cap.backward_started()
         for i in state.local_unused:  # found by the graph walk: ready now
             self._mark_unused(i)
 
@@ -181,6 +184,8 @@ class Reducer:
             self._start_backward()
             if not self.rebuilt:
                 self.ready_order.append(i)
+                if self.auto_cap is not None:
+                    self.auto_cap.grad_ready(i)
             self._mark_ready(i, grad)
         return hook
 
@@ -275,12 +280,17 @@ class Reducer:
             warnings.warn(NOTHING_UNUSED, stacklevel=2)
         if not self.rebuilt:
             self.rebuild_due = True
+        if self.auto_cap is not None:
+            self.auto_cap.backward_ended()
     # --8<-- [end:finalize]
 
     # --8<-- [start:rebuild]
     def rebuild(self) -> None:
-        """Once, before the second synced forward: buckets in the order gradients arrived."""
+        """Once, before the second synced forward: buckets in the order gradients arrived. With
+        ``bucket_cap_mb="auto"`` the cap is chosen here first (collectives: every rank, a joined one too)."""
         self.rebuild_due, self.rebuilt = False, True
+        if self.auto_cap is not None:
+            self.size_limits = bucket_size_limits(self.auto_cap.choose(self.params, self.group))
         self._install(rebuilt_assignment(self.ready_order, self.params, self.size_limits, self.group))
     # --8<-- [end:rebuild]
 

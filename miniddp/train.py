@@ -62,6 +62,16 @@ def _optional(kind):
     return parse
 
 
+def _number_or_word(text: str):
+    """A ``float | str | None`` field (``--ddp_bucket_cap_mb 25``, ``auto`` or ``none``): the config names bad words."""
+    if text.lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 class _OneLineParser(argparse.ArgumentParser):
     def error(self, message):  # argparse prints usage + message; one line is enough
         for flag in re.findall(r"(?<!\S)(--?[\w-]+)", message.partition("unrecognized arguments:")[2]):
@@ -104,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
         annotation = str(f.type)
         base = next(t for name, t in types.items() if name in annotation)
         kind = _optional(base) if "None" in annotation else base
+        if base is float and "str" in annotation:
+            kind = _number_or_word
         metavar = "{true,false}" if base is _bool else base.__name__.upper()
         parser.add_argument(f"--{f.name}", type=kind, default=f.default, choices=named.get(f.name),
                             metavar=None if f.name in named else metavar,

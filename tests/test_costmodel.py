@@ -7,7 +7,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import miniddp
-from miniddp.bucketing import MiB
+from miniddp.auto_bucket import CANDIDATE_CAPS, choose_bucket_cap_mb, profile_from_ready
+from miniddp.bucketing import MiB, bucket_size_limits
 from miniddp.costmodel import (AlphaBeta, StepProfile, best_bucket_cap_mb, fit_alpha_beta, measure_all_reduce,
                                measure_overlap_cost, naive_step_time, predict_step_time, rebuilt_assignment,
                                simulate)
@@ -206,3 +207,128 @@ def test_a_profile_read_from_a_real_trace_adds_up_and_predicts_ddps_own_buckets(
     assert merged.backward_s >= min(p.backward_s for p in profiles)
     prediction = predict_step_time(merged, AlphaBeta(1e-4, 1e-9), cap)
     assert len(prediction.launch_s) == len(results[0][1]) and prediction.step_s > merged.forward_s
+
+
+# --8<-- [start:auto]
+# bucket_cap_mb="auto": the cost model picks the cap at the rebuild (miniddp/auto_bucket.py)
+
+def test_auto_picks_the_hand_computed_cap_for_each_overlap_cost():
+    # the hand-computed timeline of test_best_bucket_cap_is_the_hand_computed_one, as ready-time dicts
+    params = [torch.empty(MiB // 4) for _ in range(8)]
+    p = profile_from_ready([{k: 1e-3 * (k + 1) for k in range(8)}], params)
+    ab = AlphaBeta(alpha_s=0.5e-3, beta_s_per_byte=1e-3 / MiB)
+    free = choose_bucket_cap_mb(p, ab, overlap_cost=0.0, caps=(0.5, 1, 2, 4, 8))
+    assert free.cap_mb == 2 and free.predicted_ms[2] == pytest.approx(12) and free.buckets == {0.5: 8, 1: 8, 2: 4,
+                                                                                               4: 2, 8: 1}
+    # no overlap (shared CPU cores): 8 ms of compute + n x 0.5 ms + 8 ms; the fewest buckets win
+    shared = choose_bucket_cap_mb(p, ab, overlap_cost=1.0, caps=(0.5, 1, 2, 4, 8))
+    assert shared.cap_mb == 8 and shared.predicted_ms == pytest.approx({0.5: 20, 1: 20, 2: 18, 4: 17, 8: 16.5})
+
+
+def test_auto_profile_takes_the_latest_rank_and_puts_missing_gradients_last():
+    params = [torch.empty(3), torch.empty(5, dtype=torch.float64), torch.empty(2)]
+    p = profile_from_ready([{0: 0.1, 1: 0.5, 2: 0.2}, None, {0: 0.3, 1: 0.4}], params)  # rank 1 joined early
+    assert p.ready_s == [0.3, 0.5, 0.5] and p.numels == [3, 5, 2] and p.nbytes == [12, 40, 8]
+    assert profile_from_ready([None, None], params).ready_s == [0.0] * 3  # nothing recorded: all at once
+
+
+@pytest.mark.parametrize("bad", ["fast", "Auto", "25", ""])
+def test_auto_other_strings_are_refused_naming_bucket_cap_mb(bad):
+    with pytest.raises(ValueError, match=r"bucket_cap_mb=.*or \"auto\""):
+        bucket_size_limits(bad)
+    assert bucket_size_limits("auto") == bucket_size_limits(None)  # until the rebuild: torch's defaults
+
+
+def test_auto_is_a_config_value_and_a_cli_word():
+    from miniddp.config import TrainingConfig, field_help
+    from miniddp.train import parse_config
+    assert TrainingConfig(ddp_bucket_cap_mb="auto").ddp_bucket_cap_mb == "auto"
+    assert parse_config(["--ddp_bucket_cap_mb", "auto"]).ddp_bucket_cap_mb == "auto"
+    assert parse_config(["--ddp_bucket_cap_mb", "4"]).ddp_bucket_cap_mb == 4.0
+    assert "auto" in field_help()["ddp_bucket_cap_mb"]
+    with pytest.raises(ValueError, match="ddp_bucket_cap_mb='fast'.*auto"):
+        TrainingConfig(ddp_bucket_cap_mb="fast")
+    with pytest.raises(SystemExit):
+        parse_config(["--ddp_bucket_cap_mb", "fast"])
+
+
+def _mib_mlp() -> torch.nn.Module:  # three 1 MiB weights: the caps give 5, 4, 3, 2 or 1 buckets
+    return torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.GELU(), torch.nn.Linear(512, 512), torch.nn.GELU(),
+                               torch.nn.Linear(512, 512), torch.nn.GELU(), torch.nn.Linear(512, 512),
+                               torch.nn.GELU(), torch.nn.Linear(512, 4))
+
+
+def _train(ddp, steps, rank, start=0):
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(start, start + steps):
+        g = torch.Generator().manual_seed(100 * rank + step)  # each rank its own batches
+        x, y = torch.randn(8, 64, generator=g), torch.randint(0, 4, (8,), generator=g)
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in ddp.parameters()]
+
+
+def _auto_against_fixed_and_torch(rank, world_size, steps):
+    import copy
+    import io
+    torch.manual_seed(rank)  # ranks start different: the wrap broadcast must copy rank 0's
+    model = _mib_mlp()
+    auto = miniddp.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb="auto")
+    after_auto = _train(auto, steps, rank)
+    cap = auto.auto_bucket_cap_mb
+    fixed = miniddp.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=cap)
+    after_fixed = _train(fixed, steps, rank)
+    oracle = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    after_torch = _train(oracle, steps, rank)
+    # resume: the layout state round trip (through torch.save, as a checkpoint) keeps the cap, no measuring
+    buffer = io.BytesIO()
+    torch.save(auto.layout_state(), buffer)
+    resumed = miniddp.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb="auto")
+    resumed.load_layout_state(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True))
+    # saved after step 1, before the rebuild: the ready times travel, the resumed run measures and chooses
+    early = miniddp.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb="auto")
+    _train(early, 1, rank)
+    state = early.layout_state()
+    late = miniddp.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb="auto")
+    late.load_layout_state(state)
+    _train(late, 1, rank, start=1)
+    return {"cap": cap, "report": auto.auto_bucket_report, "buckets": auto.bucket_assignment,
+            "fixed_buckets": fixed.bucket_assignment, "auto": after_auto, "fixed": after_fixed, "torch": after_torch,
+            "resumed": (resumed.auto_bucket_cap_mb, resumed.bucket_assignment, resumed.auto_bucket_report),
+            "early_state": (state["auto_bucket_cap_mb"], len(state["auto_ready_s"])),
+            "late": (late.auto_bucket_cap_mb, late.bucket_assignment, late.auto_bucket_report["measure_s"])}
+
+
+def test_auto_chooses_one_cap_everywhere_and_trains_like_that_cap_and_like_torch():
+    r0, r1 = run_on_ranks(_auto_against_fixed_and_torch, 2, args=(3,), timeout=60)
+    assert r0["cap"] == r1["cap"] and r0["buckets"] == r1["buckets"]  # agreed: the same buckets on every rank
+    assert r0["cap"] in CANDIDATE_CAPS and r0["report"]["bucket_cap_mb"] == r0["cap"]
+    assert r0["buckets"] == r0["fixed_buckets"]  # rebuilt in arrival order with the chosen cap
+    assert r0["report"]["buckets"][r0["cap"]] == len(r0["buckets"])  # the model predicted DDP's own buckets
+    assert 0 < r0["report"]["measure_s"] < 5  # a short sweep (about 0.2 s here)
+    for r in (r0, r1):
+        assert all(torch.equal(a, b) for a, b in zip(r["auto"], r["fixed"]))  # 2 ranks: bitwise, any layout
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(r["auto"], r["torch"]))
+        assert not torch.allclose(r["auto"][-1], r["fixed"][-1] + 1e-4)  # the check sees a step's difference
+        cap, buckets, report = r["resumed"]
+        assert cap == r0["cap"] and buckets == r0["buckets"] and report["alpha_us"] is None  # not re-measured
+        assert r["early_state"][0] is None and r["early_state"][1] > 0
+        assert r["late"][0] in CANDIDATE_CAPS and r["late"][2] > 0  # measured and chose after resuming
+    assert r0["late"][:2] == r1["late"][:2]
+
+
+def _auto_under_join(rank, world_size, batches):
+    torch.manual_seed(0)
+    ddp = miniddp.DistributedDataParallel(_mib_mlp(), bucket_cap_mb="auto")
+    with ddp.join():  # a joined rank shadows the rebuild, the measurement included
+        after = _train(ddp, batches[rank], rank)
+    return ddp.auto_bucket_cap_mb, ddp.bucket_assignment, [p.detach() for p in ddp.parameters()], after
+
+
+@pytest.mark.parametrize("batches", [(3, 1), (3, 0)], ids=["joins_after_step_1", "joins_before_any_backward"])
+def test_auto_under_join_agrees_without_hanging(batches):
+    r0, r1 = run_on_ranks(_auto_under_join, 2, args=(batches,), timeout=60)
+    assert r0[0] == r1[0] and r0[0] in CANDIDATE_CAPS and r0[1] == r1[1]
+    assert all(torch.equal(a, b) for a, b in zip(r0[2], r1[2]))  # the final model is the same everywhere
+# --8<-- [end:auto]

@@ -1,0 +1,138 @@
+"""``bucket_cap_mb="auto"``: the cost model picks the bucket size at the one-time rebuild.
+
+What
+    ``AutoBucketCap`` rides along with the reducer. During the first synced
+    backward it records, per parameter, when its gradient became ready
+    (``time.perf_counter()`` from the backward's start). At the rebuild (before
+    the second synced forward, where every rank already meets for the bucket-order
+    broadcast) ``choose`` runs on every rank: a short all-reduce sweep on the live
+    group (``measure_all_reduce``, 4 KiB..16 MiB, 3 repetitions) fitted to α–β,
+    the ranks' ready times gathered and combined with ``StepProfile.slowest``,
+    ``best_bucket_cap_mb`` over ``CANDIDATE_CAPS``, and rank 0's pick broadcast.
+    ``choose_bucket_cap_mb`` is the pure part (a profile and a fit in, an
+    ``AutoChoice`` out), so a test can hand it made-up numbers.
+
+Why
+    The best cap depends on the model (how gradients arrive), the network (α, β)
+    and whether communication really overlaps the backward; ``docs/costmodel.md``
+    measures all three. A user who does not want to run that page's benchmark
+    gets its answer from the first step.
+
+    ``overlap_cost``: on a CPU, gloo's threads and the backward share the cores.
+    ``measure_overlap_cost`` found 0.51–1.00 across six runs on this machine, and
+    the no-overlap closed form (``overlap_cost=1``) was within ±15% of the
+    measured step at every cap while free overlap was up to 28% optimistic; so
+    CPU tensors get 1.0 (no measurement: it would add noise and time), CUDA
+    tensors 0.0 (NCCL runs on its own stream). With 1.0 the model reduces to
+    "fewest buckets" and the ready times only set the backward's length.
+
+How torch differs
+    torch has no such option: ``bucket_cap_mb`` is a number you pick (Hugging
+    Face: ``ddp_bucket_cap_mb``). torch's reducer records ready times too
+    (``backward_stats_``) but only reports them (``_get_ddp_logging_data``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+import torch.distributed as dist
+
+from .costmodel import AlphaBeta, StepProfile, best_bucket_cap_mb, fit_alpha_beta, measure_all_reduce
+
+CANDIDATE_CAPS = (0.25, 0.5, 1, 2, 4, 8, 16, 25, 50, 100)  # MiB; the first wins a tie
+SWEEP_BYTES = (2**12, 2**16, 2**20, 2**22, 2**24)  # the all-reduce sizes the fit sees: 4 KiB .. 16 MiB
+SWEEP_REPS = 3  # repetitions per size (median of the slowest rank)
+
+
+def default_overlap_cost(device: torch.device) -> float:
+    """1: the backward and gloo share CPU cores (no overlap); 0: NCCL beside a GPU backward."""
+    return 0.0 if device.type == "cuda" else 1.0
+
+
+# --8<-- [start:choose]
+@dataclasses.dataclass
+class AutoChoice:
+    """What ``bucket_cap_mb="auto"`` chose, and why."""
+
+    cap_mb: float  # the cap the buckets were rebuilt with
+    overlap_cost: float  # what simulate was told about overlap
+    alpha_beta: AlphaBeta | None  # the fit on the live group (None: restored from a checkpoint)
+    predicted_ms: dict  # cap -> predicted backward + exposed communication (ms), from the backward's start
+    buckets: dict  # cap -> how many buckets it gives
+    measure_s: float = 0.0  # what measuring and choosing cost this rank (seconds)
+
+    def report(self) -> dict:
+        ab = self.alpha_beta
+        return {"bucket_cap_mb": self.cap_mb, "overlap_cost": self.overlap_cost, "measure_s": self.measure_s,
+                "alpha_us": ab.alpha_us if ab else None, "algbw_GBps": ab.algbw_GBps if ab else None,
+                "predicted_ms": dict(self.predicted_ms), "buckets": dict(self.buckets)}
+
+
+def choose_bucket_cap_mb(profile: StepProfile, ab: AlphaBeta, *, overlap_cost: float,
+                         caps=CANDIDATE_CAPS) -> AutoChoice:
+    """The cap ``best_bucket_cap_mb`` predicts fastest for this profile and fit (pure: no communication)."""
+    best, predictions = best_bucket_cap_mb(profile, ab, caps=caps, overlap_cost=overlap_cost)
+    return AutoChoice(best, overlap_cost, ab, {c: p.step_s * 1e3 for c, p in predictions.items()},
+                      {c: len(p.launch_s) for c, p in predictions.items()})
+
+
+def profile_from_ready(ready_by_rank: list, params) -> StepProfile:
+    """One profile from each rank's ``{parameter index: ready seconds}`` (``None``: a rank that saw no synced
+    backward, e.g. joined before it): the latest rank at each parameter; one that never arrived is ready last.
+    No rank with times (a resume from a checkpoint without them): every gradient ready at once."""
+    seen = [r for r in ready_by_rank if r] or [{}]
+    end = max((t for r in seen for t in r.values()), default=0.0)
+    profiles = [StepProfile(0.0, [r.get(i, end) for i in range(len(params))], [p.numel() for p in params],
+                            [p.dtype for p in params]) for r in seen]
+    return StepProfile.slowest(profiles)
+# --8<-- [end:choose]
+
+
+class AutoBucketCap:
+    """The reducer's companion for ``bucket_cap_mb="auto"``: records ready times, then chooses once."""
+
+    def __init__(self, overlap_cost: float | None = None, caps=CANDIDATE_CAPS):
+        self.overlap_cost = overlap_cost  # None: default_overlap_cost of the parameters' device
+        self.caps = tuple(caps)  # the candidates
+        self.t0: float | None = None  # perf_counter at the first synced backward's start
+        self.ready_s: dict[int, float] = {}  # parameter index -> seconds from t0 to its gradient
+        self.recording = True  # until the first synced backward ends
+        self.choice: AutoChoice | None = None  # set by choose (or restore)
+
+    def backward_started(self) -> None:
+        if self.recording and self.t0 is None:
+            self.t0 = time.perf_counter()
+
+    def grad_ready(self, i: int) -> None:
+        if self.recording and self.t0 is not None:
+            self.ready_s.setdefault(i, time.perf_counter() - self.t0)
+
+    def backward_ended(self) -> None:
+        self.recording = False
+
+    def restore(self, cap_mb: float) -> None:
+        """A resumed run: the cap the interrupted run chose, no measurement."""
+        self.choice = AutoChoice(cap_mb, float("nan"), None, {}, {})
+
+    # --8<-- [start:collective]
+    def choose(self, params, group) -> float:
+        """Every rank of ``group`` together (a joined rank too, shadowing the rebuild): the agreed cap."""
+        if self.choice is not None:
+            return self.choice.cap_mb
+        start, device = time.perf_counter(), params[0].device
+        points = measure_all_reduce(SWEEP_BYTES, reps=SWEEP_REPS, group=group, device=device)
+        ab = fit_alpha_beta(*zip(*points), world_size=dist.get_world_size(group), backend=dist.get_backend(group))
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, self.ready_s or None, group=group)
+        overlap = default_overlap_cost(device) if self.overlap_cost is None else self.overlap_cost
+        choice = choose_bucket_cap_mb(profile_from_ready(everyone, params), ab, overlap_cost=overlap, caps=self.caps)
+        agreed = torch.tensor([choice.cap_mb], dtype=torch.float64, device=device)
+        dist.broadcast(agreed, src=dist.get_global_rank(group, 0), group=group)  # rank 0's pick, everywhere
+        choice.cap_mb = agreed.item()
+        choice.measure_s = time.perf_counter() - start
+        self.choice, self.ready_s = choice, {}
+        return choice.cap_mb
+    # --8<-- [end:collective]

@@ -103,6 +103,8 @@ class DistributedDataParallel(torch.nn.Module):
         outputs = self.module(*args, **kwargs)
         if self.require_backward_grad_sync:
             self.reducer.prepare_for_backward(outputs, divisor, expected)  # arm the hooks for this graph
+        else:
+            self.reducer.local_forward = True  # its backward stays local, on purpose
         # a no_sync or no-grad forward leaves the reducer as it was: an earlier synced
         # forward whose backward has not run yet still syncs (as in torch)
         return outputs

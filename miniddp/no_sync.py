@@ -64,6 +64,15 @@ def no_sync(ddp):
 # --8<-- [end:no_sync]
 
 
+def unprepared_backward_message(name: str) -> str:
+    """A gradient arrived in a backward that no synced forward of the wrapper armed, and no ``no_sync``
+    forward explains it: the module was called directly, or the same graph was backpropagated twice."""
+    return (f"{name} got a gradient in a backward that no DistributedDataParallel forward prepared, so it was NOT "
+            "averaged across ranks and the replicas will drift apart. Call the wrapper, not the module: loss = "
+            "ddp(x), not model(x) or ddp.module(x) (and do not backpropagate one graph twice). For gradients that "
+            "should stay local, run the forward inside ddp.no_sync().")
+
+
 class Accumulated:
     """Which parameters got a gradient since the last synced backward, ``no_sync`` micro-steps included
     (torch keeps the same in ``local_used_map``)."""

@@ -54,7 +54,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from .bucketing import bucket_size_limits, build_buckets, compute_bucket_assignment, rebuilt_assignment
 from .comm_hooks import allreduce_hook, hook_name, hook_result, issues_everything_in_call
-from .no_sync import Accumulated
+from .no_sync import Accumulated, unprepared_backward_message
 from .timeouts import naming_stalled_ranks
 from .unused import (NOTHING_UNUSED, UsedCounts, check_counts, find_tensors, gradient_twice_message,
                      unused_contribution, unused_parameters)
@@ -102,6 +102,8 @@ class Reducer:
         self._install(list(reversed(compute_bucket_assignment(self.params, self.size_limits))))
         self.backward: Backward | None = None  # armed by a synced forward until its backward ends
         self.accumulated = Accumulated(len(self.params))  # got a gradient since the last sync (no_sync too)
+        self.local_forward = False  # a no_sync forward ran since the last synced backward: local gradients expected
+        self.warned_unprepared = False  # the "gradient no forward prepared" warning, once
         self.ready_order: list[int] = []  # parameter indices as their gradients arrived (first iteration)
         self.rebuilt = find_unused_parameters  # torch never rebuilds when the graph may change
         self.rebuild_due = False  # rebuild at the next forward
@@ -180,6 +182,9 @@ class Reducer:
             if grad is not None:
                 self.accumulated.add(i)  # counted even inside no_sync, as torch does
             if self.backward is None:  # not armed: inside no_sync, or a forward that bypassed DDP
+                if not self.local_forward and not self.warned_unprepared:  # no no_sync forward explains it
+                    self.warned_unprepared = True
+                    warnings.warn(unprepared_backward_message(self.names[i]), UserWarning, stacklevel=2)
                 return
             self._start_backward()
             if not self.rebuilt:
@@ -269,6 +274,7 @@ class Reducer:
             for bucket, result in zip(self.buckets, results):
                 bucket.write_back(result, counts, state.kept, self.as_view)  # the one place that sets .grad
             self.accumulated.clear()
+            self.local_forward = False
         finally:
             self.backward = None  # disarmed, whatever happened
         if self.tracer is not None:

@@ -368,3 +368,36 @@ def test_a_save_longer_than_the_timeout_names_the_saving_rank(tmp_path):
                                                             timeout=60)
     assert missing == [0] and "rank 0 never reached the barrier after writing checkpoint-1" in message, message
     assert late_missing == [0] and "it was the slow one" in late
+
+
+# --8<-- [start:bypassed]
+def _bypassed_wrapper(rank, world_size, how):
+    torch.manual_seed(0)
+    model = MODELS["mlp"]()
+    ddp = miniddp.DistributedDataParallel(model)
+    x, y = torch.randn(4, 8) + rank, torch.randn(4, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if how == "module called directly":
+            F.mse_loss(model(x), y).backward()  # the wrapper never saw this forward
+        elif how == "graph backpropagated twice":
+            loss = F.mse_loss(ddp(x), y)
+            loss.backward(retain_graph=True)  # synced
+            loss.backward()  # not: the reducer was disarmed by the first
+        else:  # the right ways: a no_sync micro-step, then a synced one
+            with ddp.no_sync():
+                F.mse_loss(ddp(x), y).backward()
+            F.mse_loss(ddp(x), y).backward()
+    return [str(w.message) for w in caught if issubclass(w.category, UserWarning)], _synced(model, world_size)
+# --8<-- [end:bypassed]
+
+
+@pytest.mark.parametrize("how", ["module called directly", "graph backpropagated twice", "no_sync then synced"])
+def test_a_backward_the_wrapper_did_not_prepare_warns(how):
+    # torch's DDP averages nothing here and says nothing: the replicas drift apart, silently
+    for messages, synced in run_on_ranks(_bypassed_wrapper, 2, args=(how,), timeout=60):
+        if how == "no_sync then synced":
+            assert messages == [] and synced
+        else:
+            assert len(messages) == 1 and "NOT averaged" in messages[0] and "ddp(x)" in messages[0], messages
+            assert not synced  # what the warning is about: ranks hold different gradients

@@ -16,7 +16,7 @@ def test_concept_pages_include_real_code_and_their_tests(page):
     text = (DOCS / f"{page}.md").read_text()
     assert "## The tests that define it" in text
     assert re.search(r'--8<-- "tests/test_[a-z_]+\.py"', text), "the page must include its test file"
-    assert re.search(r'--8<-- "(miniddp|docs/examples|examples)/[a-z_./]+(:[a-z_]+)?"', text), "and real source"
+    assert re.search(r'--8<-- "(miniddp|docs/examples|examples|benchmarks)/[a-z_./]+(:[a-z_]+)?"', text), "and real source"
 
 
 @pytest.mark.parametrize("page", sorted(p.stem for p in DOCS.glob("*.md")))

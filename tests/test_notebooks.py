@@ -9,8 +9,9 @@ unless MINIDDP_REFRESH_NOTEBOOKS=1, which writes the fresh outputs back:
 
 Saved and fresh outputs are compared per code cell: the same output types in the same
 order (which streams a cell writes, not how its chunks interleave), and the same stdout
-once numbers (timings, pids, ports, losses), temporary paths and column alignment are
-masked, up to line order and a few lines (see same_text). Images and stderr (warnings
+once numbers (timings, pids, ports, losses), temporary paths, the repository's path,
+the transport's own wording of an error and column alignment are masked, up to line
+order and a few lines (see same_text). Images and stderr (warnings
 carry timestamps) are compared by presence only.
 """
 
@@ -30,12 +31,16 @@ REFRESH = os.environ.get("MINIDDP_REFRESH_NOTEBOOKS") == "1"
 _NUMBER = re.compile(r"(?<![A-Za-z_])[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 _HEX = re.compile(r"0x[0-9a-fA-F]+")
 _TMP = re.compile(r"(/private)?/(tmp|var/folders)/[^\s'\"]*")
+_SOURCE = re.compile(r"[^\s'\"(]*/(miniddp|tests|tutorials|benchmarks|examples)/")  # a clone anywhere: /work/x, /tmp/ci
+_TRANSPORT = re.compile(r"(RuntimeError|DistBackendError|DistNetworkError): .*")  # gloo words a timeout several ways
 
 
 def normalise(text: str, cwd: str) -> str:
     """Mask what changes from run to run: the working directory, temp paths, addresses, numbers."""
     text = text.replace(cwd, "<cwd>")
+    text = _SOURCE.sub(r"<repo>/\1/", text)  # before _TMP: the repository may itself be under /tmp
     text = _TMP.sub("<tmp>", text)
+    text = _TRANSPORT.sub(r"\1: <the transport's message>", text)
     text = _HEX.sub("<addr>", text)
     text = _NUMBER.sub("#", text)
     return "\n".join(" ".join(line.split()) for line in text.strip().splitlines())  # column alignment too

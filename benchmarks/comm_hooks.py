@@ -28,6 +28,7 @@ import copy
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -47,15 +48,10 @@ from miniddp.tasks import make_task
 from miniddp.testing import run_on_ranks
 
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from timeline import gelu_mlp  # noqa: E402  (the workload of issue 11: 6x1024 GELU MLP, 22 MB of gradients)
+
 START = 2  # start_powerSGD_iter (the smallest torch allows); the warm-up runs past it
-
-
-def gelu_mlp(hidden: int = 1024, layers: int = 6, inputs: int = 256, classes: int = 10) -> torch.nn.Module:
-    """The workload of issue 11 (same as ``benchmarks/timeline.py``): 5.5 M parameters."""
-    blocks = [torch.nn.Linear(inputs, hidden), torch.nn.GELU()]
-    for _ in range(layers - 1):
-        blocks += [torch.nn.Linear(hidden, hidden), torch.nn.GELU()]
-    return torch.nn.Sequential(*blocks, torch.nn.Linear(hidden, classes))
 
 
 def configurations(rank: int) -> dict:

@@ -18,6 +18,7 @@ import argparse
 import copy
 import json
 import statistics
+import sys
 import time
 import warnings
 from contextlib import nullcontext
@@ -30,13 +31,13 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import miniddp
 from miniddp.testing import run_on_ranks
 
+sys.path.insert(0, str(Path(__file__).parent))
+from timeline import gelu_mlp  # noqa: E402  (one definition of the workload)
+
 
 def make_model(hidden: int, layers: int) -> torch.nn.Module:
     """The 6x1024 GELU MLP of the other benchmarks with the defaults (22 MB of fp32 gradients)."""
-    blocks = [torch.nn.Linear(256, hidden), torch.nn.GELU()]
-    for _ in range(layers - 1):
-        blocks += [torch.nn.Linear(hidden, hidden), torch.nn.GELU()]
-    return torch.nn.Sequential(*blocks, torch.nn.Linear(hidden, 10))
+    return gelu_mlp(hidden=hidden, layers=layers)
 
 
 def timed_step(ddp, opt, batches, accumulation) -> float:

@@ -322,7 +322,9 @@ def test_a_stalled_or_killed_rank_is_named_by_its_peer(how, tmp_path):
         assert how == "die" and err.rank == 1 and "exited with code 1" in str(err)
     missing, message = json.loads((tmp_path / "0").read_text())  # what the waiting rank 0 raised
     assert missing == [1] and "rank 1 (pid" in message and "bucket 0 in backward #3" in message, message
-    assert any(w in message for w in ("Timed out", "Connection closed", "Connection reset"))  # gloo: kept below ours
+    # gloo's own words, kept below ours; it says a timeout several ways ("Timed out waiting Nms for recv",
+    # "Application timeout caused pair closure") and a death as "Connection closed/reset by peer"
+    assert any(w in message.lower() for w in ("timed out", "timeout", "connection closed", "connection reset")), message
     if how == "stall":  # and the late rank, when it comes back, learns that it was the slow one
         late_missing, late = json.loads((tmp_path / "1").read_text())
         assert late_missing == [1] and "rank 1 (pid" in late and "it was the slow one" in late

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from .auto_bucket import AutoBucketCap
 from .bucketing import bucket_size_limits
 from .buffers import broadcast_buffers, refuse_sparse_gradients, sync_module_states, verify_same_model
+from .clean_exit import group_or_default
 from .join import Join
 from .no_sync import no_sync
 from .reducer import Reducer
@@ -63,7 +64,7 @@ class DistributedDataParallel(torch.nn.Module):
                                "miniddp.init_distributed() (or torch.distributed.init_process_group) first")
         self.input_device = _check_device_ids(module, device_ids)  # forward moves inputs here (torch: the same)
         self.module = module  # the model; its state_dict is what you save
-        self.process_group = process_group or dist.group.WORLD  # the ranks we average with
+        self._process_group = process_group  # None: the default group, looked up at each use (clean_exit.py)
         self.broadcast_buffers = broadcast_buffers  # copy rank 0's buffers before every forward
         self.require_backward_grad_sync = True  # False inside no_sync()
         self._join = None  # the open join() context, if any (join.py)
@@ -79,7 +80,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._trained = tuple(p.requires_grad for p in module.parameters())  # requires_grad at wrap
         sync_module_states(module, self.process_group, include_buffers=broadcast_buffers)  # rank 0's state
         announce_process()  # host:pid in the store, so a stall elsewhere can name this rank
-        self.reducer = Reducer([p for _, p in named], [n for n, _ in named], self.process_group, limits,
+        self.reducer = Reducer([p for _, p in named], [n for n, _ in named], process_group, limits,
                                find_unused_parameters=find_unused_parameters,
                                gradient_as_bucket_view=gradient_as_bucket_view, tracer=tracer,
                                auto_cap=AutoBucketCap() if bucket_cap_mb == "auto" else None)
@@ -108,6 +109,12 @@ class DistributedDataParallel(torch.nn.Module):
         # a no_sync or no-grad forward leaves the reducer as it was: an earlier synced
         # forward whose backward has not run yet still syncs (as in torch)
         return outputs
+
+    @property
+    def process_group(self):
+        """The ranks we average with. The default group is looked up, not held: a wrapper that held it
+        would keep gloo's threads alive past ``destroy_process_group()`` (see ``clean_exit``)."""
+        return group_or_default(self._process_group)
 
     def _sync_before_forward(self, rebuild: bool, source: int) -> None:
         """What every rank does before a grad-enabled forward (a joined rank too, in join.py)."""

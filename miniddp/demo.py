@@ -87,7 +87,4 @@ def main(argv=None) -> float:
 
 
 if __name__ == "__main__":
-    from .train import exit_now
-
     main()
-    exit_now(0)  # see miniddp.train.cli: torch can abort at interpreter exit under torchrun

@@ -6,7 +6,8 @@ What
     rendezvous (master_addr, master_port). ``DistEnv.from_environ`` reads it from
     torchrun's variables, from SLURM's, or defaults to a single process;
     ``init_distributed`` selects the backend and device, and initialises the
-    process group with ``ddp_timeout``.
+    process group with ``ddp_timeout``; the group it creates is destroyed at exit
+    (``clean_exit.py``) if the script does not destroy it.
 
 Why
     Every launcher says the same thing in its own words: torchrun sets ``RANK``,
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from . import desync  # MINIDDP_DEBUG=collectives: the collective-desync detector
+from .clean_exit import destroy_at_exit
 from .backend import default_device_kind, device_for_local_rank, select_backend
 from .timeouts import DEFAULT_TIMEOUT_S, as_timedelta
 
@@ -245,6 +247,7 @@ def init_distributed(backend: str = "auto", timeout=DEFAULT_TIMEOUT_S, env: Dist
         kwargs["backend"] = desync.register(name)
         kwargs.pop("device_id", None)  # a Python group binds no device: NCCL connects at its first collective
     dist.init_process_group(**kwargs)
+    destroy_at_exit()  # gone before interpreter teardown, even if the script never destroys it
     return replace(env, backend=name, device=device)
 # --8<-- [end:init_distributed]
 

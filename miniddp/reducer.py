@@ -53,6 +53,7 @@ import torch.distributed as dist
 from torch.autograd.graph import get_gradient_edge
 
 from .bucketing import bucket_size_limits, build_buckets, compute_bucket_assignment, rebuilt_assignment
+from .clean_exit import group_or_default
 from .comm_hooks import allreduce_hook, hook_name, hook_result, issues_everything_in_call
 from .no_sync import Accumulated, unprepared_backward_message
 from .timeouts import naming_stalled_ranks
@@ -88,14 +89,14 @@ class Reducer:
                  gradient_as_bucket_view=False, tracer=None, auto_cap=None):
         self.params = list(params)  # parameters that require grad, registration order
         self.names = list(names)  # their qualified names
-        self.group = process_group  # who we average with
-        self.world_size = dist.get_world_size(process_group)
+        self._group = process_group  # who we average with; None: the default group, never held (clean_exit.py)
+        self.world_size = dist.get_world_size(self.group)
         self.size_limits = list(size_limits)  # bucket byte limits (first, then the rest)
         self.find_unused = find_unused_parameters  # walk the graph after each forward?
         self.as_view = gradient_as_bucket_view  # .grad is a view into the bucket
         self.tracer = tracer  # optional miniddp.trace.Tracer
         self.auto_cap = auto_cap  # bucket_cap_mb="auto": an auto_bucket.AutoBucketCap, which sets the rebuild's cap
-        self.hook, self.hook_state = allreduce_hook, process_group  # what each ready bucket goes through
+        self.hook, self.hook_state = allreduce_hook, process_group  # what each ready bucket goes through (None: default)
         self.custom_hook = False  # register_comm_hook was called: the hook divides, not the copy-in
         self.overlap_buckets = True  # the hook issues all its collectives in the call: no wait between buckets
         # registration order, buckets filled then reversed: the last layers reduce first
@@ -110,6 +111,10 @@ class Reducer:
         self.warned_no_unused = False  # the "flag set but nothing unused" warning, once
         self.backwards = 0  # synced backwards so far: names a collective in error messages
         self.handles = [_hook_once(p, self._make_hook(i)) for i, p in enumerate(self.params)]
+
+    @property
+    def group(self):
+        return group_or_default(self._group)
 
     def _install(self, assignment) -> None:
         self.buckets = build_buckets(self.params, self.names, assignment)

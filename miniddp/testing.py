@@ -60,6 +60,8 @@ from multiprocessing.connection import wait
 import torch
 import torch.distributed as dist
 
+from .clean_exit import destroy_process_group
+
 DEFAULT_TIMEOUT_S = 120.0  # a whole multi-rank call; tests pass smaller ones
 # What the forkserver imports once. torch._dynamo is imported lazily by torch DDP's first
 # construction (1.5 s here): preloading it keeps every oracle test fast.
@@ -154,8 +156,8 @@ def _worker(rank, world_size, fn, args, kwargs, conn, lifeline, inherited, host,
             payload = None
         conn.send_bytes(pickle.dumps(("error", rank, (type(exc).__name__, traceback.format_exc(), payload))))
     finally:
-        if init and dist.is_initialized():
-            dist.destroy_process_group()
+        if init:  # bounded: a rank whose peer failed mid-collective does not wait for it. No garbage
+            destroy_process_group(collect=False)  # collection: the rank ends with os._exit, no teardown to race
         conn.close()
 # --8<-- [end:worker]
 

@@ -1,6 +1,7 @@
 """The cost model: the α–β fit, the bucket-launch simulation against hand-computed timelines,
 the no-overlap closed form where the two must agree, and the model read from a real trace."""
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -48,15 +49,19 @@ def _measure(rank, world_size):
     return points, fit_alpha_beta(*zip(*points), world_size=world_size), measure_overlap_cost(2**20, reps=3)
 
 
-def test_fit_on_a_real_two_rank_gloo_group_is_plausible():
+def test_fit_on_a_real_two_rank_gloo_group_is_numpys_weighted_least_squares():
     (points, ab, cost), (points1, ab1, cost1) = run_on_ranks(_measure, 2, timeout=60)
     assert points == points1 and ab == ab1  # the slowest rank's times: one answer on every rank
     assert 0 <= cost == cost1 <= 1
-    assert 0 <= ab.alpha_us < 20_000  # loose: timing here is noisy, never an assertion on speed
-    assert 0.005 < ab.algbw_GBps < 1000
-    ratios = sorted(ab.seconds(nbytes) / seconds for nbytes, seconds in points)  # fit / measured
-    assert 0.5 < ratios[len(ratios) // 2] < 2  # the line fits most points (one noisy point may be far off)
-    assert 1 / 3 < ab.seconds(points[-1][0]) / points[-1][1] < 3  # and the largest, where noise matters least
+    assert all(seconds > 0 for _, seconds in points) and ab.alpha_s >= 0 and ab.beta_s_per_byte > 0
+    # the oracle: numpy's least squares on the same measured points, each residual relative to its time.
+    # Whatever the machine's noise, the fit is the best line through what was measured, never a bound on speed.
+    sizes, seconds = (np.array(v, dtype=float) for v in zip(*points))
+    beta, alpha = np.polyfit(sizes, seconds, 1, w=1 / seconds)
+    if alpha < 0:  # the best line crosses zero below 0: the fit's refit through the origin
+        beta, alpha = np.sum(sizes / seconds) / np.sum((sizes / seconds) ** 2), 0.0
+    assert ab.alpha_s == pytest.approx(alpha, rel=1e-6, abs=1e-12)
+    assert ab.beta_s_per_byte == pytest.approx(beta, rel=1e-6)
 # --8<-- [end:fit]
 
 
@@ -306,7 +311,7 @@ def test_auto_chooses_one_cap_everywhere_and_trains_like_that_cap_and_like_torch
     assert r0["cap"] in CANDIDATE_CAPS and r0["report"]["bucket_cap_mb"] == r0["cap"]
     assert r0["buckets"] == r0["fixed_buckets"]  # rebuilt in arrival order with the chosen cap
     assert r0["report"]["buckets"][r0["cap"]] == len(r0["buckets"])  # the model predicted DDP's own buckets
-    assert 0 < r0["report"]["measure_s"] < 5  # a short sweep (about 0.2 s here)
+    assert r0["report"]["measure_s"] > 0  # what measuring cost is reported (its speed: benchmarks/auto_bucket.py)
     for r in (r0, r1):
         assert all(torch.equal(a, b) for a, b in zip(r["auto"], r["fixed"]))  # 2 ranks: bitwise, any layout
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(r["auto"], r["torch"]))

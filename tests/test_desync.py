@@ -140,28 +140,32 @@ def test_skipped_collective_names_the_odd_rank_out():
 
 
 # --8<-- [start:stall]
-def _rank_1_stalls(rank, world_size, stall_s):
-    _init(detector_timeout=1.0)
+def _rank_1_stalls(rank, world_size, detector_timeout):
+    _init(detector_timeout=detector_timeout)
+    store = dist.distributed_c10d._get_default_store()
     t = torch.ones(4)
     dist.all_reduce(t)  # site: last op
-    if rank == 1:
-        time.sleep(stall_s)  # a slow checkpoint, a stuck data loader...
+    if rank == 1:  # a slow checkpoint, a stuck data loader... until rank 0's detector has given up
+        store.wait(["test: rank 0 raised"], timedelta(seconds=PG_TIMEOUT))
     start = time.monotonic()
     try:
         dist.all_reduce(t)  # site: waiting
     except miniddp.CollectiveMismatchError as exc:
+        if rank == 0:
+            store.set("test: rank 0 raised", "1")
         return str(exc), time.monotonic() - start
 
 
 def test_stalled_rank_is_named_with_its_last_op_before_the_group_timeout():
-    results = _run(_rank_1_stalls, 2, 2.0)
+    detector_timeout = 1.0
+    results = _run(_rank_1_stalls, 2, detector_timeout)
     message = _same_on_every_rank([m for m, _ in results])  # the late rank raises it too, on arrival
     last, waiting = (_site(_rank_1_stalls, m) for m in ("site: last op", "site: waiting"))
     assert f"rank 1 issued nothing after #1 all_reduce(SUM) float32[4] from user code at {last}" in message
     assert f"rank 0: #2 all_reduce(SUM) float32[4] from user code at {waiting}" in message
     waited = results[0][1]
-    assert 1.0 <= waited < PG_TIMEOUT, f"rank 0 waited {waited:.1f} s; the group times out after {PG_TIMEOUT} s"
-    assert results[1][1] < 1.0, "the late rank must raise at once, not wait for the others again"
+    assert detector_timeout <= waited < PG_TIMEOUT, f"rank 0 waited {waited:.1f} s; the group times out after {PG_TIMEOUT} s"
+    assert results[1][1] < detector_timeout, "the late rank must raise at once, not wait for the others again"
 # --8<-- [end:stall]
 
 

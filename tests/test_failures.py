@@ -60,13 +60,13 @@ def _without_join(rank, world_size):
         dist.barrier()  # what a script does after its loop: save, evaluate, barrier
     except miniddp.StalledRankError as err:
         return err.missing, str(err)
-    except RuntimeError as err:
-        return None, str(err)
+    except RuntimeError as err:  # the transport's own error, whatever its words
+        return None, type(err).__name__
 
 
 def test_without_join_uneven_inputs_fail_naming_the_rank_that_ran_out():
-    (_, at_the_barrier), (missing, message) = run_on_ranks(_without_join, 2, pg_timeout=3, timeout=60)
-    assert "timed out" in at_the_barrier.lower()  # rank 0 waited at its barrier: gloo's bare timeout
+    (nobody, at_the_barrier), (missing, message) = run_on_ranks(_without_join, 2, pg_timeout=3, timeout=60)
+    assert nobody is None and at_the_barrier  # rank 0 waited at its barrier: gloo's bare error, naming nobody
     assert missing == [0], message  # rank 1, in its third backward, names rank 0
     assert "rank 0 (pid" in message and "never reached the all-reduce of bucket 0 in backward #3" in message
 # --8<-- [end:uneven]
@@ -304,46 +304,57 @@ def _stall_or_die(rank, world_size, how, report):
         if rank == 1 and step == 2:
             if how == "die":
                 os._exit(1)  # killed: the OOM killer, a node failure, a segfault
-            time.sleep(6)  # stalled past the 3 s timeout: a slow save, a stuck data loader, an eval here only
+            _wait_for(report / "0")  # stalled until rank 0 gave up: a slow save, a stuck data loader...
         try:
             F.mse_loss(ddp(torch.randn(4, 8)), torch.zeros(4, 4)).backward()
         except miniddp.StalledRankError as err:
-            (report / str(rank)).write_text(json.dumps([err.missing, str(err)]))
+            caused_by_the_transport = isinstance(err.__cause__, RuntimeError)  # gloo's error, kept as the cause
+            (report / str(rank)).write_text(json.dumps([err.missing, str(err), caused_by_the_transport]))
             return
 # --8<-- [end:stalled]
 
 
+def _wait_for(path, timeout_s: float = 120) -> None:
+    """Block until ``path`` exists: one rank waits for another's outcome instead of racing it with a sleep."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+
+
 @pytest.mark.parametrize("how", ["stall", "die"])
 def test_a_stalled_or_killed_rank_is_named_by_its_peer(how, tmp_path):
-    start = time.monotonic()
-    try:
-        run_on_ranks(_stall_or_die, 2, args=(how, tmp_path), pg_timeout=3, timeout=60, grace=10)
+    try:  # rank 1 comes back only after rank 0 raised: rank 0 gave up on its own, at the 3 s timeout
+        run_on_ranks(_stall_or_die, 2, args=(how, tmp_path), pg_timeout=3, timeout=120, grace=10)
     except RankError as err:  # the killed rank itself
         assert how == "die" and err.rank == 1 and "exited with code 1" in str(err)
-    missing, message = json.loads((tmp_path / "0").read_text())  # what the waiting rank 0 raised
+    missing, message, from_transport = json.loads((tmp_path / "0").read_text())  # what the waiting rank 0 raised
     assert missing == [1] and "rank 1 (pid" in message and "bucket 0 in backward #3" in message, message
-    # gloo's own words, kept below ours; it says a timeout several ways ("Timed out waiting Nms for recv",
-    # "Application timeout caused pair closure") and a death as "Connection closed/reset by peer"
-    assert any(w in message.lower() for w in ("timed out", "timeout", "connection closed", "connection reset")), message
+    assert from_transport  # gloo's own error (a timeout, or a lost connection) stays attached, below ours
     if how == "stall":  # and the late rank, when it comes back, learns that it was the slow one
-        late_missing, late = json.loads((tmp_path / "1").read_text())
+        late_missing, late, _ = json.loads((tmp_path / "1").read_text())
         assert late_missing == [1] and "rank 1 (pid" in late and "it was the slow one" in late
-    assert time.monotonic() - start < 30
 
 
 # --8<-- [start:saving]
 def _save_then_read(rank, world_size, out, careful):
     torch.manual_seed(0)
     state = {"model": MODELS["mlp"]().state_dict()}
-    if rank == 0:  # a slow disk: each of rank 0's writes takes a while
-        real_save = torch.save
-        torch.save = lambda obj, f, *a, **k: (time.sleep(1.5), real_save(obj, f, *a, **k))[1]
     if careful:
+        if rank == 0:  # a slow disk: each of rank 0's writes takes a while
+            real_save = torch.save
+            torch.save = lambda obj, f, *a, **k: (time.sleep(1.5), real_save(obj, f, *a, **k))[1]
         path = save_checkpoint(out, 1, state, rank)  # collective: returns once the checkpoint is whole
         return _catch(load_checkpoint, path, rank) or "read a complete checkpoint"
-    if rank == 0:  # the race: rank 0 writes while the others move on and read it
+    # the race: rank 0 writes while the others move on and read it. Here rank 0's disk is at its
+    # slowest: its write begins only once rank 1 has looked (a sleep would race rank 1's start-up)
+    if rank == 0:
+        _wait_for(os.path.join(out, "rank 1 looked"))
         torch.save(state["model"], os.path.join(out, "model.pt"))
-    return _catch(torch.load, os.path.join(out, "model.pt")) or "read a complete checkpoint"
+    read = _catch(torch.load, os.path.join(out, "model.pt")) or "read a complete checkpoint"
+    if rank == 1:
+        open(os.path.join(out, "rank 1 looked"), "w").close()
+    return read
 # --8<-- [end:saving]
 
 
@@ -356,18 +367,21 @@ def test_other_ranks_never_see_a_half_written_checkpoint(tmp_path):
 
 def _slow_save(rank, world_size, out):
     state = {"model": MODELS["mlp"]().state_dict()}
-    if rank == 0:  # rank 0 writes for longer than the 2 s timeout
+    gave_up = os.path.join(out, "rank 1 gave up")
+    if rank == 0:  # rank 0 writes for longer than the 2 s timeout: until rank 1 has given up waiting
         real_save = torch.save
-        torch.save = lambda obj, f, *a, **k: (time.sleep(2.5), real_save(obj, f, *a, **k))[1]
+        torch.save = lambda obj, f, *a, **k: (_wait_for(gave_up), real_save(obj, f, *a, **k))[1]
     try:
         save_checkpoint(out, 1, state, rank)
     except miniddp.StalledRankError as err:
+        if rank == 1:
+            open(gave_up, "w").close()
         return err.missing, str(err)
 
 
 def test_a_save_longer_than_the_timeout_names_the_saving_rank(tmp_path):
     (late_missing, late), (missing, message) = run_on_ranks(_slow_save, 2, args=(str(tmp_path),), pg_timeout=2,
-                                                            timeout=60)
+                                                            timeout=120)
     assert missing == [0] and "rank 0 never reached the barrier after writing checkpoint-1" in message, message
     assert late_missing == [0] and "it was the slow one" in late
 

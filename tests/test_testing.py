@@ -33,13 +33,14 @@ def _rank_one_asserts(rank, world_size):
 
 
 def test_a_rank_assertion_is_reraised_with_its_rank():
+    timeout = 60
     start = time.monotonic()
     with pytest.raises(RankError) as info:
-        run_on_ranks(_rank_one_asserts, 2, timeout=60)
-    assert info.value.rank == 1
+        run_on_ranks(_rank_one_asserts, 2, timeout=timeout)
+    assert info.value.rank == 1 and not isinstance(info.value, RankTimeout)
     assert isinstance(info.value.__cause__, AssertionError)
     assert "rank one disagrees" in str(info.value) and "_rank_one_asserts" in info.value.remote_traceback
-    assert time.monotonic() - start < 20  # not the full timeout
+    assert time.monotonic() - start < timeout  # the failure ended the call, not the timeout
 
 
 def _hang(rank, world_size, pid_dir):
@@ -55,7 +56,7 @@ def test_a_hung_rank_is_killed_at_the_timeout_and_named(tmp_path):
     with pytest.raises(RankTimeout) as info:
         run_on_ranks(_hang, 2, args=(str(tmp_path),), timeout=3, init=False)
     assert info.value.ranks == [1] and "did not finish within 3 s" in str(info.value)
-    assert time.monotonic() - start < 15
+    assert time.monotonic() - start < 600  # killed, not waited for: the rank would sleep 600 s
     pid = int((tmp_path / "1.pid").read_text())
     with pytest.raises(ProcessLookupError):  # killed and reaped: no orphan
         os.kill(pid, 0)
@@ -192,9 +193,10 @@ def _fail_while_a_peer_has_a_child(rank, world_size, pid_dir):
 
 def test_after_a_failure_and_its_grace_nothing_survives(tmp_path):
     start = time.monotonic()
+    timeout = 60
     with pytest.raises(RankError, match="rank 0 fails"):
-        run_on_ranks(_fail_while_a_peer_has_a_child, 2, args=(str(tmp_path),), init=False, timeout=60, grace=0.5)
-    assert time.monotonic() - start < 30
+        run_on_ranks(_fail_while_a_peer_has_a_child, 2, args=(str(tmp_path),), init=False, timeout=timeout, grace=0.5)
+    assert time.monotonic() - start < timeout  # the failure's grace ended the call, not the timeout
     _no_survivors(_read_pids(tmp_path, [1]))
 
 

@@ -138,10 +138,24 @@ def test_rebuild_follows_the_order_gradients_arrived():
     assert flat_after == ready  # second iteration: buckets fill exactly in arrival order
 
 
-def test_first_bucket_launches_before_backward_ends():
-    [(_, _, _, _, events)] = run_on_ranks(_assignment_and_trace, 2, args=("mlp", 0.0001, 2), timeout=60)[:1]
-    t = {}
-    for e in events:
-        t.setdefault((e["name"], e.get("bucket")), e["t"])
-    assert t[("bucket launched", 0)] < t[("backward end", None)]  # communication overlaps backward
-    assert t[("grad ready", None)] < t[("bucket launched", 0)]
+def _launched_before_the_last_gradient(events) -> list[int]:
+    """The buckets whose all-reduce was launched while backward still had gradients to compute."""
+    last_grad = max(e["t"] for e in events if e["name"] == "grad ready")
+    return [e["bucket"] for e in events if e["name"] == "bucket launched" and e["t"] < last_grad]
+
+
+def _trace_with_launches_deferred_to_the_end(rank, world_size):
+    """Negative control: the reducer launches nothing until backward is over (no overlap at all)."""
+    from miniddp.reducer import Reducer
+
+    launch = Reducer._launch
+    Reducer._launch = lambda self, state, wait=False: launch(self, state, wait) if wait else None
+    return _assignment_and_trace(rank, world_size, "mlp", 0.0001, 2)
+
+
+def test_buckets_launch_while_backward_still_computes():
+    [(_, after, _, _, events)] = run_on_ranks(_assignment_and_trace, 2, args=("mlp", 0.0001, 2), timeout=60)[:1]
+    early = _launched_before_the_last_gradient(events)
+    assert len(after) > 1 and early and early == list(range(len(early)))  # the first buckets, in order
+    [(_, _, _, launched, late)] = run_on_ranks(_trace_with_launches_deferred_to_the_end, 2, timeout=60)[:1]
+    assert launched == list(range(len(after))) and _launched_before_the_last_gradient(late) == []

@@ -297,17 +297,23 @@ def test_wrapping_a_module_twice_leaves_no_stale_hooks():
 
 def _pending_at_each_call(rank, world_size, registered):
     """How many earlier buckets' futures were still running each time the reducer called the hook, on
-    rank 0, while rank 1 sleeps at the start of its backward (so no all-reduce can finish before)."""
-    import time
+    rank 0, while rank 1 holds its backward until rank 0 has launched all it may (so no all-reduce can
+    finish before: rank 1 waits for rank 0's outcome, it does not race it with a sleep)."""
+    from datetime import timedelta
 
     torch.manual_seed(0)
+    store = dist.distributed_c10d._get_default_store()
     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
     ddp = miniddp.DistributedDataParallel(model, bucket_cap_mb=0.01)  # 7 buckets: a weight closes one
     reducer, seen = ddp.reducer, []
+    may_launch = 1 if registered else len(reducer.buckets)  # before any bucket can complete
 
     def recording(state, bucket):
         seen.append(sum(not f.done() for f in reducer.backward.futures))
-        return comm_hooks.allreduce_hook(state, bucket)
+        future = comm_hooks.allreduce_hook(state, bucket)
+        if rank == 0 and len(seen) == may_launch:
+            store.set("test: rank 0 launched", "1")
+        return future
 
     if registered:  # a hook the reducer cannot vouch for: one bucket at a time
         ddp.register_comm_hook(dist.group.WORLD, recording)
@@ -315,7 +321,7 @@ def _pending_at_each_call(rank, world_size, registered):
         reducer.hook = recording
     out = ddp(torch.randn(4, 64))
     if rank == 1:
-        out.register_hook(lambda g: time.sleep(0.5) or g)
+        out.register_hook(lambda g: store.wait(["test: rank 0 launched"], timedelta(seconds=60)) or g)
     out.sum().backward()
     return seen, len(reducer.buckets)
 
@@ -324,7 +330,7 @@ def test_default_path_overlaps_buckets_and_other_hooks_go_one_at_a_time():
     # the default all-reduce (and the compression hooks) issue their one collective inside the call, so
     # bucket k+1 may start while bucket k travels; a hook that might issue more from a callback may not
     [(seen, buckets), _] = run_on_ranks(_pending_at_each_call, 2, args=(False,), timeout=60)
-    assert buckets == 7 and seen == list(range(7)), seen  # rank 1 asleep: nothing finished, all launched
+    assert buckets == 7 and seen == list(range(7)), seen  # rank 1 held back: nothing finished, all launched
     [(seen, buckets), _] = run_on_ranks(_pending_at_each_call, 2, args=(True,), timeout=60)
     assert seen == [0] * 7, seen
     assert comm_hooks.issues_everything_in_call(torch_hooks.fp16_compress_hook)

@@ -44,7 +44,7 @@ def test_missing_gradient_raises_on_every_rank_in_the_same_backward(unused_on):
     for rank, (what, names, message, seconds) in enumerate(results):
         assert what == "raised in the same backward"
         assert names == ["branch.weight", "branch.bias"] or names == ["branch.bias", "branch.weight"]
-        assert "find_unused_parameters=True" in message and seconds < 5  # no hang
+        assert "find_unused_parameters=True" in message  # raised: a hang would be the harness's RankTimeout
         if rank in unused_on:
             assert "On this rank, no gradient for" in message
 

@@ -49,7 +49,8 @@ class Tracer:
 
     def __init__(self, rank: int = 0, device=None):
         self.rank = rank  # the rank these events belong to (a row group in the trace)
-        self.events: list[dict] = []  # {"name", "t" (seconds), "rank", ...}
+        self._events: list[dict] = []  # {"name", "t" (seconds), "rank", ...}; read through .events
+        self._finishing: list = []  # futures of the bucket-finished callbacks, still running on a comm thread
         self.origin = 0.0  # perf_counter is system-wide on Linux: ranks share one clock
         self.lock = threading.Lock()  # bucket-finished callbacks arrive on a comm thread
         self.cuda = device is not None and torch.device(device).type == "cuda"  # time with CUDA events
@@ -62,7 +63,7 @@ class Tracer:
     def event(self, name: str, **fields) -> None:
         with self.lock:
             e = {"name": name, "t": self._now(), "rank": self.rank, **fields}
-            self.events.append(e)
+            self._events.append(e)
             if self.cuda:  # the host time is only when it was *queued*; the device time replaces it
                 if self._cuda_origin is None:
                     torch.cuda.synchronize()
@@ -90,14 +91,27 @@ class Tracer:
             self.event("bucket finished", **info)
             return fut.value()  # hand the result on unchanged
 
-        bucket.work.get_future().then(finished)
+        self._finishing.append(bucket.work.get_future().then(finished))
+
+    @property
+    def events(self) -> list[dict]:
+        """Every event so far. A bucket's future completes *before* its callbacks run, on the comm thread:
+        backward can return before the last "bucket finished" is recorded, so this waits for them first."""
+        finishing, self._finishing = self._finishing, []
+        for f in finishing:
+            try:
+                f.wait()
+            except RuntimeError:  # the collective failed: the reducer raises it, the trace keeps what it has
+                pass
+        return self._events
 
     def step(self) -> None:
         """Call after ``optimizer.step()`` (or wrap it in ``span("optimizer")``)."""
         self.event("optimizer step")
 
     def synchronize(self) -> list[dict]:
-        """CUDA: wait for the device and give each event its device time. CPU: nothing to do."""
+        """The events, complete. CUDA: wait for the device and give each event its device time."""
+        events = self.events
         if self.cuda and self._pending:
             torch.cuda.synchronize()
             host, origin = self._cuda_origin
@@ -105,11 +119,11 @@ class Tracer:
                 for e, marker in self._pending:
                     e["t"] = host + origin.elapsed_time(marker) / 1e3
                 self._pending = []
-        return self.events
+        return events
 
     def clear(self) -> None:
         with self.lock:
-            self.events, self._pending, self._cuda_origin = [], [], None
+            self._events, self._pending, self._cuda_origin, self._finishing = [], [], None, []
 
 
 def _spans(events: list[dict]) -> list[tuple[str, float, float, dict]]:

@@ -1,6 +1,9 @@
 """Tracing: events from a real step become a Chrome trace and a timeline picture."""
 
 import json
+import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -47,6 +50,18 @@ def test_chrome_trace_has_backward_and_one_span_per_bucket(tmp_path, backend):
     assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     plot_timeline(events, tmp_path / "timeline.png")
     assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_events_include_a_finish_whose_callback_still_runs_when_backward_returns():
+    # a future wakes its waiters (the reducer) before it runs its callbacks (the tracer's), on the completing
+    # thread: a callback ahead of the tracer's holds it there, as a busy comm thread would
+    tracer = Tracer(0)
+    fut = torch.futures.Future()
+    fut.then(lambda f: time.sleep(0.5))
+    tracer.bucket_launched(SimpleNamespace(index=0, nbytes=4, params=[0], work=SimpleNamespace(get_future=lambda: fut)))
+    threading.Thread(target=fut.set_result, args=(torch.zeros(1),)).start()
+    fut.wait()  # what the reducer waits for before backward returns
+    assert [e["name"] for e in tracer.events] == ["bucket launched", "bucket finished"]
 
 
 def _events(rank, *spec):

@@ -95,14 +95,18 @@ class Tracer:
 
     @property
     def events(self) -> list[dict]:
-        """Every event so far. A bucket's future completes *before* its callbacks run, on the comm thread:
-        backward can return before the last "bucket finished" is recorded, so this waits for them first."""
+        """Every event so far. A bucket's future completes *before* its callbacks run, on the comm thread
+        and once it gets the GIL: backward can return before the last "bucket finished" is recorded, so
+        this waits for them first; and a finish recorded after its backward's end is dated at that end,
+        since the reducer had seen the bucket complete before it ended the backward."""
         finishing, self._finishing = self._finishing, []
         for f in finishing:
             try:
                 f.wait()
             except RuntimeError:  # the collective failed: the reducer raises it, the trace keeps what it has
                 pass
+        with self.lock:
+            _date_late_finishes(self._events)
         return self._events
 
     def step(self) -> None:
@@ -124,6 +128,22 @@ class Tracer:
     def clear(self) -> None:
         with self.lock:
             self._events, self._pending, self._cuda_origin, self._finishing = [], [], None, []
+
+
+def _date_late_finishes(events: list[dict]) -> None:
+    """In recording order: a "bucket finished" that came after the "backward end" of the backward that
+    launched it gets that end's time (its callback ran late; the collective had completed by then)."""
+    launched, ended = set(), {}  # buckets launched in the current backward; bucket -> its backward's end
+    for e in events:
+        if e["name"] == "backward start":
+            launched = set()
+        elif e["name"] == "bucket launched":
+            launched.add(e["bucket"])
+            ended.pop(e["bucket"], None)
+        elif e["name"] == "backward end":
+            ended.update((b, e["t"]) for b in launched)
+        elif e["name"] == "bucket finished" and e["bucket"] in ended:
+            e["t"] = min(e["t"], ended.pop(e["bucket"]))
 
 
 def _spans(events: list[dict]) -> list[tuple[str, float, float, dict]]:

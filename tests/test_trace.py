@@ -64,6 +64,18 @@ def test_events_include_a_finish_whose_callback_still_runs_when_backward_returns
     assert [e["name"] for e in tracer.events] == ["bucket launched", "bucket finished"]
 
 
+def test_a_finish_recorded_after_its_backward_ended_is_dated_at_that_end():
+    # the reducer waits for every bucket before it ends the backward: a later "finished" is a late callback
+    tracer, fut = Tracer(0), torch.futures.Future()
+    tracer.event("backward start")
+    tracer.bucket_launched(SimpleNamespace(index=0, nbytes=4, params=[0], work=SimpleNamespace(get_future=lambda: fut)))
+    tracer.event("backward end")
+    time.sleep(0.05)
+    fut.set_result(torch.zeros(1))  # its callbacks run here, after the end
+    t = {e["name"]: e["t"] for e in tracer.events}
+    assert t["bucket finished"] == t["backward end"]
+
+
 def _events(rank, *spec):
     """Events from (name, t, fields) tuples, times in seconds."""
     return [{"name": n, "t": t, "rank": rank, **f} for n, t, f in spec]

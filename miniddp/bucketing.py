@@ -35,6 +35,8 @@ How torch differs
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -50,10 +52,19 @@ def bucket_size_limits(bucket_cap_mb: float | str | None) -> list[int]:
     same and lets the rebuild choose the cap (``auto_bucket.py``)."""
     if bucket_cap_mb is None or bucket_cap_mb == "auto":
         return [DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_CAP_MB * MiB]
-    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
-        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be a number > 0 (MiB), e.g. 25, or \"auto\" "
-                         "(the cost model chooses it after the first step), or None (torch's 1 MiB + 25 MiB)")
+    check_bucket_cap_mb(bucket_cap_mb)
     return [int(bucket_cap_mb * MiB)]
+
+
+def check_bucket_cap_mb(value, name: str = "bucket_cap_mb") -> None:
+    """A cap is a finite number of MiB that holds at least one byte (or None / "auto"); else a ValueError."""
+    if value is None or value == "auto":
+        return
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value)
+            or value * MiB < 1):
+        raise ValueError(f"{name}={value!r} must be a finite number of MiB holding at least one byte "
+                         f"(>= {1 / MiB:.2g}), e.g. 25, or \"auto\" (the cost model chooses it after the first step), "
+                         "or None (torch's 1 MiB first, then 25 MiB)")
 
 
 # --8<-- [start:assignment]

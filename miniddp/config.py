@@ -6,7 +6,8 @@ What
     (``per_device_train_batch_size``, ``gradient_accumulation_steps``,
     ``ddp_bucket_cap_mb``, ``ddp_find_unused_parameters``, ...). Validation runs
     at construction and names the field and the fix. ``effective_batch_size``
-    is the number every comparison of runs should hold constant.
+    is the nominal samples per optimizer step (the Trainer reports what a step
+    really consumed: ``epoch.py``), the number comparisons of runs hold constant.
 
 Why
     A wrong value should fail in the first second on one line, not after model
@@ -37,12 +38,14 @@ import re
 from dataclasses import asdict, dataclass, fields
 
 from .backend import valid_backend_names
+from .bucketing import check_bucket_cap_mb
 from .comm_hooks import COMM_HOOKS
 from .timeouts import DEFAULT_TIMEOUT_S, as_timedelta
 
 MIXED_PRECISION = ("no", "bf16", "fp16")
 LOSS_NORMALIZATION = ("per_batch", "global_tokens")
 MODELS = ("mlp", "bn", "lm")
+MAX_SEED = 2**32 - 1  # numpy's largest seed; seed + rank stays far inside torch's 64 bits
 
 
 def choices() -> dict[str, list[str]]:
@@ -58,6 +61,7 @@ class TrainingConfig:
     per_device_train_batch_size: int = 8  # samples per rank per micro-batch
     per_device_eval_batch_size: int = 256  # samples per rank per evaluation batch
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step (only the last one all-reduces)
+    dataloader_drop_last: bool = False  # drop each rank's last incomplete micro-batch of an epoch (BatchNorm needs 2+)
     learning_rate: float = 1e-3  # AdamW's, decayed linearly to 0 over the run
     max_steps: int = -1  # optimizer steps to train; -1: train for num_train_epochs
     num_train_epochs: float = 3.0  # passes over the training set, when max_steps is -1
@@ -108,18 +112,24 @@ class TrainingConfig:
         if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
             raise ValueError(f"learning_rate={self.learning_rate!r} must be a finite number > 0, e.g. 1e-3")
         for name in ("max_grad_norm", "weight_decay", "dropout"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0")
+            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a finite number >= 0")
         if self.dropout >= 1:
             raise ValueError(f"dropout={self.dropout!r} must be < 1")
-        if self.save_steps < 0 or self.eval_size < 0:
-            raise ValueError("save_steps and eval_size must be >= 0 (0 disables them)")
+        for name in ("save_steps", "eval_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}={value!r} must be an integer >= 0 (0 disables it)")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ValueError(f"save_total_limit={self.save_total_limit!r} must be >= 1, or None to keep all")
-        cap = self.ddp_bucket_cap_mb
-        if cap not in (None, "auto") and (isinstance(cap, (str, bool)) or not cap > 0):
-            raise ValueError(f"ddp_bucket_cap_mb={cap!r} must be > 0 (MiB), e.g. 25, or auto (chosen after step 1 by "
-                             "the cost model), or none (1 MiB first, then 25 MiB)")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed={self.seed!r} must be an integer in 0..{MAX_SEED} (2**32 - 1: numpy's range, "
+                             "which Hugging Face's set_seed needs too)")
+        for name in ("output_dir", "resume_from_checkpoint"):
+            if getattr(self, name) is not None and not str(getattr(self, name)).strip():
+                raise ValueError(f"{name}={getattr(self, name)!r} is empty: name a directory"
+                                 + (" (or 'latest'; leave it unset to start fresh)" if name != "output_dir" else ""))
+        check_bucket_cap_mb(self.ddp_bucket_cap_mb, "ddp_bucket_cap_mb")
         as_timedelta(self.ddp_timeout, name="ddp_timeout")
         if not isinstance(self.ddp_comm_powersgd_start_iter, int) or self.ddp_comm_powersgd_start_iter < 2:
             raise ValueError(f"ddp_comm_powersgd_start_iter={self.ddp_comm_powersgd_start_iter!r} must be an integer "

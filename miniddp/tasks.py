@@ -30,6 +30,8 @@ Why
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -138,8 +140,27 @@ def named_columns(*names):
     return collate
 
 
+# bytes one sample of each built-in task takes while it is generated (tensors and temporaries), measured
+BYTES_PER_SAMPLE = {"mlp": 400, "bn": 400, "lm": 1200}
+
+
+def _check_it_fits(config) -> None:
+    """A dataset_size this machine cannot hold is one line now, not an allocator's error later."""
+    need = (config.dataset_size + config.eval_size) * BYTES_PER_SAMPLE.get(config.model, 1200)
+    need *= int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # every process on this machine builds its own copy
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system that says
+        return
+    if need > have:
+        raise ValueError(f"dataset_size={config.dataset_size}: the built-in {config.model} task needs about "
+                         f"{need / 2**30:.1f} GiB on this machine (every process builds its own), and "
+                         f"{have / 2**30:.1f} GiB are free: use a smaller --dataset_size")
+
+
 def make_task(config) -> dict:
     """The Trainer's keyword arguments for ``config.model`` (``mlp``, ``bn`` or ``lm``)."""
+    _check_it_fits(config)
     size, eval_size, seed = config.dataset_size, config.eval_size, config.seed
     torch.manual_seed(seed)  # model init: the same on every rank (DDP would broadcast it anyway)
     if config.model in ("mlp", "bn"):

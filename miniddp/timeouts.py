@@ -75,6 +75,9 @@ def as_timedelta(timeout, name: str = "ddp_timeout") -> timedelta:
             f"{name}={timeout!r} must be > 0 seconds (default {DEFAULT_TIMEOUT_S}); "
             "a rank waits this long for its peers before raising"
         )
+    if seconds < 0.001:  # gloo and NCCL count whole milliseconds: this would be a timeout of 0
+        raise ValueError(f"{name}={timeout!r} is under a millisecond, which gloo and NCCL round to 0: "
+                         f"give seconds, e.g. {name}=1800 (the default)")
     return timedelta(seconds=seconds)
 # --8<-- [end:as_timedelta]
 

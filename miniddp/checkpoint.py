@@ -32,6 +32,7 @@ import json
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -114,6 +115,30 @@ def save_checkpoint(output_dir, step: int, states: dict, rank: int, save_total_l
 # --8<-- [end:save]
 
 
+# --8<-- [start:set_aside]
+def set_aside_later_results(output_dir, resumed) -> Path | None:
+    """Rank 0, resuming ``resumed`` inside ``output_dir``: the checkpoints saved after it, and the final model
+    and metrics, belong to the timeline that went on from it. Move them into ``superseded/`` (nothing is
+    deleted), so that rotation, ``latest`` and "the last checkpoint" see this run's timeline only."""
+    out, resumed = Path(output_dir).resolve(), Path(resumed).resolve()
+    if resumed.parent != out:
+        return None  # resumed from elsewhere: this output_dir has no other timeline
+    later = [p for p in checkpoints(out) if step_of(p) > step_of(resumed)]
+    results = [out / name for name in ("final_model.pt", "metrics.json") if (out / name).exists()]
+    if not later and not results:
+        return None
+    aside = out / "superseded" / f"after-{resumed.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    for n in range(2, 1000):  # two resumes within a second: a folder each
+        if not aside.exists():
+            break
+        aside = aside.with_name(f"{aside.name.rsplit('.', 1)[0]}.{n}")
+    aside.mkdir(parents=True)
+    for p in later + results:
+        os.replace(p, aside / p.name)
+    return aside
+# --8<-- [end:set_aside]
+
+
 # --8<-- [start:on_every_rank]
 def on_every_rank(fn, what: str, errors=(OutputDirError, OSError)):
     """Run ``fn`` (or nothing, if None) on this rank; if it raised ``errors`` on any rank, raise the first
@@ -140,13 +165,7 @@ def on_every_rank(fn, what: str, errors=(OutputDirError, OSError)):
 def load_checkpoint(path, rank: int) -> dict:
     """Verify ``path`` against its manifest and load it (weights_only). Returns name -> object."""
     path = Path(path)
-    _check_is_checkpoint(path)
-    manifest = json.loads((path / MANIFEST).read_text())["files"]
-    for name, want in manifest.items():
-        f = path / name
-        if not f.exists() or f.stat().st_size != want["bytes"] or _sha256(f) != want["sha256"]:
-            raise CorruptCheckpointError(f"{f} is missing, truncated or modified (does not match {MANIFEST}); "
-                                         "refusing to resume from a corrupt checkpoint.")
+    manifest = verify_checkpoint(path)
     loaded = {}
     for name in manifest:
         if name.startswith("rank_") and name != f"rank_{rank}.pt":
@@ -155,6 +174,38 @@ def load_checkpoint(path, rank: int) -> dict:
         loaded[key] = torch.load(path / name, map_location="cpu", weights_only=True)
     return loaded
 # --8<-- [end:load]
+
+
+def verify_checkpoint(path) -> dict:
+    """``path``'s manifest (file name -> size and hash), once every file matches it; else a clear error."""
+    path = Path(path)
+    _check_is_checkpoint(path)
+    manifest = _read_manifest(path)
+    for name, want in manifest.items():
+        f = path / name
+        if not f.is_file() or f.stat().st_size != want["bytes"] or _sha256(f) != want["sha256"]:
+            raise CorruptCheckpointError(f"{f} is missing, truncated or modified (does not match {MANIFEST}); "
+                                         "refusing to resume from a corrupt checkpoint.")
+    return manifest
+
+
+def _read_manifest(path: Path) -> dict:
+    """The manifest's ``files``, checked for shape: a damaged manifest is a corrupt checkpoint, not a traceback."""
+    where = path / MANIFEST
+    try:
+        manifest = json.loads(where.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:  # a directory, binary, empty or invalid JSON
+        raise CorruptCheckpointError(f"{where} cannot be read as a manifest ({type(err).__name__}: "
+                                     f"{getattr(err, 'strerror', None) or err}); the checkpoint is damaged: resume "
+                                     "from another checkpoint-<step> directory") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not files or not all(
+            isinstance(n, str) and "/" not in n and isinstance(w, dict) and isinstance(w.get("bytes"), int)
+            and isinstance(w.get("sha256"), str) for n, w in files.items()):
+        raise CorruptCheckpointError(f"{where} is not a miniddp manifest (expected {{\"files\": {{name: {{\"bytes\", "
+                                     "\"sha256\"}}}}}}); the checkpoint is damaged: resume from another "
+                                     "checkpoint-<step> directory")
+    return files
 
 
 def _check_is_checkpoint(path: Path) -> None:
@@ -175,7 +226,48 @@ def _check_is_checkpoint(path: Path) -> None:
                                  "a miniddp checkpoint. Resume from an earlier checkpoint-<step> directory.")
 
 
-def load_checkpoint_on_every_rank(path, rank: int) -> dict:
+TRAINER_FILES = ("model", "optimizer", "scheduler", "trainer_state")  # what every Trainer checkpoint holds
+
+
+def load_checkpoint_on_every_rank(path, rank: int, latest: bool = False) -> dict:
     """Every rank calls this. If any rank cannot load ``path``, every rank raises the first such
-    rank's error, so a launcher prints it once instead of one rank failing alone."""
-    return on_every_rank(lambda: load_checkpoint(path, rank), f"loading {path}", errors=CHECKPOINT_ERRORS)
+    rank's error, so a launcher prints it once instead of one rank failing alone. ``latest``: ``path``
+    is the newest of its directory; a damaged one names the newest older checkpoint that is intact."""
+    def load():
+        try:
+            loaded = load_checkpoint(path, rank)
+        except CorruptCheckpointError as err:
+            older = _newest_intact_before(Path(path)) if latest else None
+            if older is None:
+                raise
+            raise CorruptCheckpointError(f"{err} The newest intact one is {older}: resume it with "
+                                         f"--resume_from_checkpoint {older}") from None
+        missing = [f"{name}.pt" for name in TRAINER_FILES if name not in loaded]
+        if missing or not isinstance(loaded["trainer_state"], dict):
+            what = "no " + ", ".join(missing) if missing else "trainer_state.pt is damaged"
+            raise CorruptCheckpointError(f"{path} is not a whole Trainer checkpoint ({what}): resume from another "
+                                         "checkpoint-<step> directory")
+        return loaded
+    return on_every_rank(load, f"loading {path}", errors=CHECKPOINT_ERRORS)
+
+
+def _newest_intact_before(path: Path) -> Path | None:
+    for older in reversed([p for p in checkpoints(path.parent) if step_of(p) < step_of(path)]):
+        try:
+            verify_checkpoint(older)
+            return older
+        except CHECKPOINT_ERRORS:
+            continue
+    return None
+
+
+def load_states(path, *pairs) -> None:
+    """``obj.load_state_dict(state)`` for each ``(obj, state)``: one that does not fit is a corrupt
+    checkpoint, named, not a traceback (a wrong-shape model.pt behind a regenerated manifest)."""
+    for obj, state in pairs:
+        try:
+            obj.load_state_dict(state)
+        except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise CorruptCheckpointError(f"{path}: the saved {type(obj).__name__} state does not fit this run's "
+                                         f"({first[:300]}); resume from another checkpoint-<step> directory") from None

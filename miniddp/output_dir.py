@@ -35,8 +35,10 @@ import fcntl
 import io
 import json
 import os
+import re
 import shutil
 import socket
+import stat
 import sys
 import time
 from pathlib import Path
@@ -91,18 +93,34 @@ def atomic_write_text(path, text: str) -> None:
 
 
 def previous_results(output_dir) -> list[str]:
-    """Names in ``output_dir`` that another run left: final model, metrics, checkpoints."""
+    """Names in ``output_dir`` that another run left: final model, metrics, numbered checkpoints. Only
+    miniddp's own names: a ``checkpoint-best/`` of the user's is neither refused nor deleted."""
     out = Path(output_dir)
-    found = [name for name in RESULTS if (out / name).exists()]
-    return found + sorted(p.name for p in out.glob("checkpoint-*"))
+    found = [name for name in RESULTS if (out / name).is_file()]
+    return found + sorted((p.name for p in out.glob("checkpoint-*") if re.fullmatch(r"checkpoint-\d+", p.name)
+                           and p.is_dir()), key=lambda name: int(name.split("-")[1]))
 
 
 class OutputDirLock:
     """An exclusive ``flock`` on ``output_dir/.miniddp.lock`` for this process; ``release()`` ends it."""
 
-    def __init__(self, output_dir):
+    def __init__(self, output_dir, created_dir: bool = False):
         self.path = Path(output_dir) / LOCK
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.created_dir = created_dir  # this run made output_dir: a run that leaves nothing else removes it
+        try:  # never through a link: a .miniddp.lock pointing at another file would be truncated
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as err:
+            if err.errno in (errno.ELOOP, errno.EISDIR):
+                what = "symbolic link" if err.errno == errno.ELOOP else "directory"
+                raise OutputDirError(f"{self.path} is a {what}, not miniddp's lock file: remove it, or choose another "
+                                     "--output_dir") from None
+            raise
+        info = os.fstat(self.fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
+            os.close(self.fd)
+            what = "a hard link" if info.st_nlink > 1 else "a special file"
+            raise OutputDirError(f"{self.path} is not a plain file of its own ({what}): it is miniddp's lock file and "
+                                 "would be overwritten; remove it, or choose another --output_dir")
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the kernel drops it when we die
         except BlockingIOError:
@@ -119,27 +137,36 @@ class OutputDirLock:
     def _holder(self) -> str:
         try:
             who = json.loads(os.pread(self.fd, 4096, 0) or b"null")
-        except ValueError:
+        except ValueError:  # not JSON (binary, or half-written)
             return "unknown"
-        return f"pid {who['pid']} on {who['host']}, started {who['started']}" if who else ""
+        if not who:
+            return ""
+        if not isinstance(who, dict):
+            return "unknown"
+        return f"pid {who.get('pid', '?')} on {who.get('host', '?')}, started {who.get('started', '?')}"
 
     def release(self) -> None:
         if self.fd is not None:
             os.ftruncate(self.fd, 0)  # a clean end: the next run has nobody to "take over" from
             os.close(self.fd)  # closing drops the flock; the file stays (it is only a name for the lock)
             self.fd = None
+            directory = self.path.parent
+            if self.created_dir and [p.name for p in directory.iterdir()] == [LOCK]:  # a run that wrote nothing
+                self.path.unlink(missing_ok=True)
+                directory.rmdir()
 
 
 # --8<-- [start:claim]
 def claim_output_dir(output_dir, *, resuming: bool, overwrite: bool, need_bytes: int) -> OutputDirLock:
     """Rank 0, before the first step: lock ``output_dir``, refuse another run's results, clean, check room."""
     out = Path(output_dir)
+    created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise OutputDirError(f"--output_dir {out} cannot be created: {_cause(err)}") from None
     try:
-        lock = OutputDirLock(out)
+        lock = OutputDirLock(out, created_dir=created)
     except OSError as err:  # read-only, permission, or a filesystem without locks
         raise OutputDirError(f"--output_dir {out} is not writable: {_cause(err)}") from None
     try:
@@ -155,7 +182,9 @@ def claim_output_dir(output_dir, *, resuming: bool, overwrite: bool, need_bytes:
             raise OutputDirError(f"--output_dir {out} holds another run's results ({', '.join(found[:4])}"
                                  f"{', ...' if len(found) > 4 else ''}): resume it with --resume_from_checkpoint "
                                  "latest, replace them with --overwrite_output_dir true, or choose another directory")
-        for debris in [*out.glob(".checkpoint-*.tmp"), *out.glob(".*.tmp-*")]:  # interrupted saves
+        leftovers = [p for p in [*out.glob(".checkpoint-*.tmp"), *out.glob(".*.tmp-*")]  # interrupted saves: ours
+                     if re.fullmatch(r"\.checkpoint-\d+\.tmp|\..+\.tmp-\d+", p.name)]
+        for debris in leftovers:
             shutil.rmtree(debris) if debris.is_dir() else debris.unlink()
         atomic_write_bytes(out / ".miniddp.write-test", b"ok")  # writable, fsync works
         (out / ".miniddp.write-test").unlink()

@@ -42,7 +42,8 @@ except ImportError:  # numpy is optional for torch
     np = None
 
 # what a resumed run must share with the checkpoint's, beyond the model's layout:
-GEOMETRY = ("world_size", "per_device_train_batch_size", "gradient_accumulation_steps", "train_samples")
+GEOMETRY = ("world_size", "per_device_train_batch_size", "gradient_accumulation_steps", "train_samples",
+            "dataloader_drop_last")
 SCHEDULE = ("seed", "learning_rate", "weight_decay", "max_grad_norm", "max_steps", "num_train_epochs",
             "mixed_precision", "model", "dataset_size", "dropout", "loss_normalization", "ddp_comm_hook",
             "ddp_comm_powersgd_rank", "ddp_comm_powersgd_start_iter")
@@ -88,7 +89,7 @@ def epoch_batches(loader: DataLoader, skip: int):
         return iter(loader)
     indices = list(loader.sampler)[skip * loader.batch_size:]  # the order the sampler gives, minus a prefix
     rest = DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=indices, collate_fn=loader.collate_fn,
-                      pin_memory=loader.pin_memory, generator=loader.generator)
+                      pin_memory=loader.pin_memory, drop_last=loader.drop_last, generator=loader.generator)
     return iter(rest)
 # --8<-- [end:epoch_batches]
 
@@ -120,6 +121,25 @@ def compare_setups(saved: dict, now: dict, allow_changes: bool, path) -> str:
     return (f"resuming {path} with changes ({what}): the weights, optimizer and schedule position are loaded; the "
             "rest of the epoch is a different slice of the data order, so the result differs from either run")
 # --8<-- [end:compare]
+
+
+def apply_new_schedule(optimizer, scheduler, learning_rate: float, weight_decay: float) -> None:
+    """A resume that allows changes: the loaded optimizer and scheduler hold the *saved* run's learning
+    rate and weight decay; this run's apply from its first step (else a changed --learning_rate is
+    accepted, said, and silently not used)."""
+    for group in optimizer.param_groups:
+        group["initial_lr"], group["weight_decay"] = learning_rate, weight_decay
+    scheduler.base_lrs = [learning_rate] * len(optimizer.param_groups)
+    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * factor(scheduler.last_epoch)  # LambdaLR's rule, at the step resumed
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+def check_position(step: int, max_steps: int, path) -> None:
+    """A checkpoint past ``max_steps`` would train nothing and report its own final model as this run's."""
+    if step > max_steps:
+        raise SetupChangedError(f"resume_from_checkpoint: {path} is at step {step}, past max_steps={max_steps}: "
+                                "nothing would be trained. Raise --max_steps, or resume an earlier checkpoint")
 
 
 def position_in_new_units(saved: dict, now: dict, window: int) -> int:

@@ -44,15 +44,17 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from .batches import compute_loss, count_items, evaluate
-from .checkpoint import checkpoints, load_checkpoint_on_every_rank, on_every_rank, save_checkpoint
+from .checkpoint import (checkpoints, load_checkpoint_on_every_rank, load_states, on_every_rank, save_checkpoint,
+                         set_aside_later_results)
 from .config import TrainingConfig
 from .comm_hooks import hook_by_name
 from .ddp import DistributedDataParallel, move_to
 from .env import init_distributed
-from .no_sync import accumulation_windows
+from .epoch import plan_epoch
 from .nonfinite import finite_or_null, grad_norm, stop_if_not_finite
 from .output_dir import atomic_save, atomic_write_text, bytes_to_save, claim_output_dir
-from .resume import compare_setups, epoch_batches, position_in_new_units, seed_per_rank, set_rng_state, setup_of
+from .resume import (apply_new_schedule, check_position, compare_setups, epoch_batches, position_in_new_units,
+                     seed_per_rank, set_rng_state, setup_of)
 from .sharding import ShardSampler
 from .timeouts import naming_stalled_ranks
 
@@ -89,9 +91,14 @@ class Trainer:
                                     seed=args.seed)
         self.loader = DataLoader(train_dataset, batch_size=args.per_device_train_batch_size, sampler=self.sampler,
                                  collate_fn=data_collator, pin_memory=self.device.type == "cuda",
+                                 drop_last=args.dataloader_drop_last,
                                  generator=torch.Generator())  # its own: iter() must not draw from torch's RNG
         # --8<-- [end:wrap]
-        self.windows = accumulation_windows(len(self.loader), args.gradient_accumulation_steps)
+        self.plan = plan_epoch(len(self.sampler), args.per_device_train_batch_size, args.gradient_accumulation_steps,
+                               self.world_size, drop_last=args.dataloader_drop_last, model=self.model)  # or raise
+        if self.plan.notice and self.rank == 0:
+            print(f"miniddp: {self.plan.notice}", file=sys.stderr, flush=True)
+        self.windows = self.plan.windows
         per_epoch = len(self.windows)  # optimizer steps per epoch
         self.max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * per_epoch)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.learning_rate,
@@ -248,13 +255,18 @@ class Trainer:
                           "starting from scratch", file=sys.stderr, flush=True)
                 return
             path = found[-1]
-        state = load_checkpoint_on_every_rank(path, self.rank)
+        state = load_checkpoint_on_every_rank(path, self.rank, latest=where == "latest")
         trainer_state = dict(state["trainer_state"])
         saved_setup = trainer_state.pop("setup")
         notice = compare_setups(saved_setup, self.setup, self.args.resume_allow_changes, path)  # or raise
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        check_position(trainer_state["global_step"], self.max_steps, path)
+        load_states(path, (self.model, state["model"]), (self.optimizer, state["optimizer"]),
+                    (self.scheduler, state["scheduler"]))
+        aside = on_every_rank((lambda: set_aside_later_results(self.args.output_dir, path)) if self.rank == 0
+                              else None, "setting aside the results after the resumed checkpoint")
+        if aside is not None:  # resumed an earlier checkpoint: what came after it is another timeline
+            print(f"miniddp: resuming {path}: the checkpoints and results saved after it are another timeline; "
+                  f"moved to {aside} (nothing was deleted)", file=sys.stderr, flush=True)
         if self.scaler and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
         self.log_history = trainer_state.pop("log_history")
@@ -270,6 +282,7 @@ class Trainer:
         if notice:
             if self.rank == 0:
                 print(f"miniddp: {notice}", file=sys.stderr, flush=True)
+            apply_new_schedule(self.optimizer, self.scheduler, self.args.learning_rate, self.args.weight_decay)
             self.state["window"] = position_in_new_units(saved_setup, self.setup, self.state["window"])
             if self.state["window"] >= len(self.windows):
                 self.state.update(epoch=self.state["epoch"] + 1, window=0)
@@ -290,7 +303,7 @@ class Trainer:
     def _finish(self) -> dict:
         args = self.args
         metrics = {"world_size": self.world_size, "backend": self.env.backend,
-                   "effective_batch_size": args.effective_batch_size(self.world_size),
+                   "effective_batch_size": self.plan.samples_per_step,  # what a step trained on
                    "global_step": self.state["global_step"],
                    "train_loss": self.state["loss_sum"] / max(1, self.state["global_step"]),
                    **({"fp16_skipped_steps": self.state["skipped_steps"]} if self.scaler else {}),

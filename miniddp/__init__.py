@@ -9,7 +9,7 @@ from .env import DistEnv, init_distributed, parse_slurm_nodelist
 from .timeouts import DEFAULT_TIMEOUT_S, StalledRankError, as_timedelta, monitored_barrier
 from .desync import CollectiveMismatchError
 from .bucketing import compute_bucket_assignment
-from .ddp import DistributedDataParallel
+from .ddp import DistributedDataParallel, WrappedAgainError
 from . import comm_hooks  # miniddp.comm_hooks.allreduce_hook, ..., PowerSGDState, powerSGD_hook
 from .no_sync import accumulation_windows, no_sync, should_sync
 from .sharding import ShardSampler
@@ -37,6 +37,7 @@ __all__ = [
     "StalledRankError",
     "Trainer",
     "TrainingConfig",
+    "WrappedAgainError",
     "accumulation_windows",
     "as_timedelta",
     "average_gradients",

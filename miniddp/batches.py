@@ -73,12 +73,13 @@ def compute_loss(model, batch, compute_loss_func=None, num_items_in_batch=None):
     if isinstance(batch, Mapping):
         if compute_loss_func is None:
             outputs = model(**batch)
-            return _loss_in(outputs, batch), outputs
+            return scalar_loss(_loss_in(outputs, batch), "the model"), outputs
         if "labels" not in batch:
             raise ValueError(f"compute_loss_func needs labels, but the dict batch has no 'labels' key "
                              f"(keys: {', '.join(batch)})")
         outputs = model(**{k: v for k, v in batch.items() if k != "labels"})
-        return compute_loss_func(outputs, batch["labels"], num_items_in_batch=num_items_in_batch), outputs
+        loss = compute_loss_func(outputs, batch["labels"], num_items_in_batch=num_items_in_batch)
+        return scalar_loss(loss, "compute_loss_func"), outputs
     if not isinstance(batch, (list, tuple)):
         raise TypeError(f"a batch must be a dict (model(**batch)) or a tuple (inputs..., labels), got "
                         f"{type(batch).__name__}: pass data_collator= to build one")
@@ -89,12 +90,24 @@ def compute_loss(model, batch, compute_loss_func=None, num_items_in_batch=None):
     if len(batch) < 2:
         raise ValueError(f"a {type(batch).__name__} batch is (inputs..., labels), but it has one element")
     outputs = model(*batch[:-1])
-    return compute_loss_func(outputs, batch[-1], num_items_in_batch=num_items_in_batch), outputs
+    loss = compute_loss_func(outputs, batch[-1], num_items_in_batch=num_items_in_batch)
+    return scalar_loss(loss, "compute_loss_func"), outputs
 # --8<-- [end:compute_loss]
 
 
 def _loss_in(outputs, batch):
-    loss = outputs.get("loss") if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
+    """``outputs["loss"]``, ``outputs.loss``, or ``outputs[0]`` of a tuple (``return_dict=False``), as
+    Hugging Face's Trainer reads it."""
+    if isinstance(outputs, Mapping):
+        loss, where = outputs.get("loss"), "outputs['loss']"
+    elif isinstance(outputs, (tuple, list)) and not hasattr(outputs, "loss"):  # (loss, logits, ...), if first
+        first = outputs[0] if outputs else None
+        loss, where = (first if isinstance(first, torch.Tensor) and first.numel() == 1 else None), "outputs[0]"
+    else:
+        loss, where = getattr(outputs, "loss", None), "outputs.loss"
+    if loss is not None and not isinstance(loss, torch.Tensor):
+        raise ValueError(f"the model's loss ({where}) is a {type(loss).__name__} ({loss!r}), not a tensor: "
+                         "return the loss tensor the model computed, so that backward can reach the parameters")
     if not isinstance(loss, torch.Tensor):
         hint = "" if "labels" in batch else " (the batch has no 'labels' key: Hugging Face models need it)"
         raise ValueError(f"the model returned {type(outputs).__name__} without a 'loss' for a dict batch{hint}: "
@@ -103,10 +116,22 @@ def _loss_in(outputs, batch):
     return loss
 
 
+def scalar_loss(loss, where: str):
+    """The loss, if it is one number; else a ValueError naming its shape and the fix."""
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(f"{where} returned a {type(loss).__name__} ({loss!r}), not a loss tensor")
+    if loss.numel() != 1:
+        raise ValueError(f"{where} returned a loss of shape {list(loss.shape)}, not one number: reduce it "
+                         "(loss.mean(), or a sum divided by num_items_in_batch) so that backward has a scalar")
+    return loss.reshape(())
+
+
 def predictions_of(outputs) -> torch.Tensor:
     """The logits: the output itself if it is a tensor, else its ``logits`` (key or attribute)."""
     if isinstance(outputs, torch.Tensor):
         return outputs
+    if isinstance(outputs, (tuple, list)) and not hasattr(outputs, "logits") and len(outputs) > 1:
+        return outputs[1]  # Hugging Face's (loss, logits, ...) tuples
     logits = outputs.get("logits") if isinstance(outputs, Mapping) else getattr(outputs, "logits", None)
     if not isinstance(logits, torch.Tensor):
         raise ValueError(f"compute_metrics needs predictions, but the model returned {type(outputs).__name__} "

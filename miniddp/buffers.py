@@ -86,6 +86,14 @@ def refuse_sparse_gradients(module: torch.nn.Module) -> None:
                 "miniddp's buckets hold dense gradients only. Use sparse=False, or torch's DistributedDataParallel.")
 
 
+def refuse_meta_tensors(module: torch.nn.Module) -> None:
+    """A parameter or buffer on the meta device has a shape and no data: say so at wrap, not in a hook."""
+    name = next((n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta), None)
+    if name is not None:
+        raise ValueError(f"{name} is on the meta device (a shape, no data): materialise the model before wrapping, "
+                         "e.g. model.to_empty(device='cpu'), then initialise or load its weights")
+
+
 # --8<-- [start:coalesced]
 def broadcast_coalesced(tensors, src_rank: int = 0, group=None, bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> None:
     """Broadcast ``tensors`` from group rank ``src_rank``: few flat messages instead of one per tensor."""

@@ -44,12 +44,17 @@ import torch.distributed as dist
 
 from .auto_bucket import AutoBucketCap
 from .bucketing import bucket_size_limits
-from .buffers import broadcast_buffers, refuse_sparse_gradients, sync_module_states, verify_same_model
+from .buffers import (broadcast_buffers, refuse_meta_tensors, refuse_sparse_gradients, sync_module_states,
+                      verify_same_model)
 from .clean_exit import group_or_default
 from .join import Join
-from .no_sync import no_sync
+from .no_sync import ChangedInWindow, no_sync
 from .reducer import Reducer
 from .timeouts import announce_process
+
+
+class WrappedAgainError(RuntimeError):
+    """The model was wrapped by a newer ``DistributedDataParallel``: this older wrapper averages nothing now."""
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -69,6 +74,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.require_backward_grad_sync = True  # False inside no_sync()
         self._join = None  # the open join() context, if any (join.py)
         self._started = False  # a grad-enabled forward has run: too late for register_comm_hook
+        refuse_meta_tensors(module)  # shapes without data: nothing to broadcast or average
         limits = bucket_size_limits(bucket_cap_mb)  # "auto": torch's defaults until the rebuild chooses
         # --8<-- [start:wrap]
         verify_same_model(module, self.process_group, include_buffers=broadcast_buffers)  # or a clear error
@@ -78,6 +84,7 @@ class DistributedDataParallel(torch.nn.Module):
             raise ValueError("the module has no parameter with requires_grad=True: there is nothing to average")
         self.device = named[0][1].device  # where small control tensors live (join rounds)
         self._trained = tuple(p.requires_grad for p in module.parameters())  # requires_grad at wrap
+        self._window = ChangedInWindow(named)  # parameters stepped inside a no_sync window: warned
         sync_module_states(module, self.process_group, include_buffers=broadcast_buffers)  # rank 0's state
         announce_process()  # host:pid in the store, so a stall elsewhere can name this rank
         self.reducer = Reducer([p for _, p in named], [n for n, _ in named], process_group, limits,
@@ -92,6 +99,11 @@ class DistributedDataParallel(torch.nn.Module):
             args, kwargs = move_to((args, kwargs), self.input_device)
         if not torch.is_grad_enabled():  # evaluation: no buffer broadcast, no rebuild, nothing to sync
             return self.module(*args, **kwargs)
+        if self.reducer.superseded:
+            raise WrappedAgainError(
+                "this DistributedDataParallel no longer averages gradients: its model was wrapped again by a newer "
+                "DistributedDataParallel (a notebook cell run twice, or two Trainers on one model), which took its "
+                "gradient hooks. Use the newest wrapper; for two independent ones, wrap a copy (copy.deepcopy(model)).")
         self._check_requires_grad_unchanged()
         self._started = True
         divisor = expected = None  # the world size, unless some ranks have joined
@@ -101,6 +113,7 @@ class DistributedDataParallel(torch.nn.Module):
             divisor, expected = self._join.divisor(plan), len(plan.active)
         else:
             self._sync_before_forward(rebuild=self.reducer.rebuild_due, source=0)
+        (self._window.synced_forward if self.require_backward_grad_sync else self._window.local_forward)()
         outputs = self.module(*args, **kwargs)
         if self.require_backward_grad_sync:
             self.reducer.prepare_for_backward(outputs, divisor, expected)  # arm the hooks for this graph

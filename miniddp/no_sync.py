@@ -73,6 +73,35 @@ def unprepared_backward_message(name: str) -> str:
             "should stay local, run the forward inside ddp.no_sync().")
 
 
+# --8<-- [start:changed_in_window]
+class ChangedInWindow:
+    """Parameters modified in place inside an accumulation window: ``optimizer.step()`` after a ``no_sync``
+    backward steps each rank on its own local gradients, and the replicas differ from then on (torch
+    is silent). ``p._version`` counts in-place writes: a snapshot at the window's first ``no_sync``
+    forward, compared at the next synced forward, sees it without any communication."""
+
+    def __init__(self, named_params):
+        self.named = list(named_params)  # (name, parameter) pairs DDP averages
+        self.versions: list[int] | None = None  # at the window's first no_sync forward
+        self.warned = False  # once per wrapper
+
+    def local_forward(self) -> None:
+        if self.versions is None:
+            self.versions = [p._version for _, p in self.named]
+
+    def synced_forward(self) -> None:
+        if self.versions is not None and not self.warned:
+            changed = next((n for (n, p), v in zip(self.named, self.versions) if p._version != v), None)
+            if changed is not None:
+                self.warned = True
+                warnings.warn(f"{changed} was modified inside a no_sync() accumulation window (optimizer.step() "
+                              "after a no_sync backward?): each rank changed it from its own local gradients, so the "
+                              "replicas now differ, and nothing will bring them back together. Step the optimizer "
+                              "only after the window's synced backward.", UserWarning, stacklevel=5)  # the ddp(x) call
+        self.versions = None
+# --8<-- [end:changed_in_window]
+
+
 class Accumulated:
     """Which parameters got a gradient since the last synced backward, ``no_sync`` micro-steps included
     (torch keeps the same in ``local_used_map``)."""

@@ -60,7 +60,7 @@ from .timeouts import naming_stalled_ranks
 from .unused import (NOTHING_UNUSED, UsedCounts, check_counts, find_tensors, gradient_twice_message,
                      unused_contribution, unused_parameters)
 
-_HOOKED: dict[int, tuple] = {}  # id(parameter) -> (weak reference to it, handle of its miniddp hook)
+_HOOKED: dict[int, tuple] = {}  # id(parameter) -> (weak ref to it, handle of its miniddp hook, weak ref to its Reducer)
 
 
 @dataclass
@@ -96,7 +96,7 @@ class Reducer:
         self.as_view = gradient_as_bucket_view  # .grad is a view into the bucket
         self.tracer = tracer  # optional miniddp.trace.Tracer
         self.auto_cap = auto_cap  # bucket_cap_mb="auto": an auto_bucket.AutoBucketCap, which sets the rebuild's cap
-        self.hook, self.hook_state = allreduce_hook, process_group  # what each ready bucket goes through (None: default)
+        self.hook, self.hook_state = allreduce_hook, process_group  # what each ready bucket goes through
         self.custom_hook = False  # register_comm_hook was called: the hook divides, not the copy-in
         self.overlap_buckets = True  # the hook issues all its collectives in the call: no wait between buckets
         # registration order, buckets filled then reversed: the last layers reduce first
@@ -110,7 +110,8 @@ class Reducer:
         self.rebuild_due = False  # rebuild at the next forward
         self.warned_no_unused = False  # the "flag set but nothing unused" warning, once
         self.backwards = 0  # synced backwards so far: names a collective in error messages
-        self.handles = [_hook_once(p, self._make_hook(i)) for i, p in enumerate(self.params)]
+        self.superseded = False  # a later wrapper of the same parameters took their hooks over
+        self.handles = [_hook_once(p, self._make_hook(i), self) for i, p in enumerate(self.params)]
 
     @property
     def group(self):
@@ -314,12 +315,17 @@ class Reducer:
             handle.remove()
 
 
-def _hook_once(param, fn):
+def _hook_once(param, fn, owner):
     """Register ``fn`` on ``param``, removing the hook an earlier wrapper of the same parameter left:
-    wrapping a module again must not leave the old reducer reacting to every backward."""
+    wrapping a module again must not leave the old reducer reacting to every backward. The old reducer
+    is marked superseded: its wrapper's next forward raises instead of averaging nothing."""
     old = _HOOKED.get(id(param))
     if old is not None and old[0]() is param:
         old[1].remove()
+        previous = old[2]()
+        if previous is not None and previous is not owner:
+            previous.superseded = True
     handle = param.register_post_accumulate_grad_hook(fn)
-    _HOOKED[id(param)] = (weakref.ref(param, lambda _, key=id(param): _HOOKED.pop(key, None)), handle)
+    _HOOKED[id(param)] = (weakref.ref(param, lambda _, key=id(param): _HOOKED.pop(key, None)), handle,
+                          weakref.ref(owner))
     return handle

@@ -31,9 +31,11 @@ How torch differs
 
 from __future__ import annotations
 
+import json
 import operator
 import warnings
 from collections.abc import Iterator, Sized
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -95,6 +97,7 @@ class ShardSampler(Sampler[int]):
         self.iterated_epoch: int | None = None  # the epoch of the last __iter__: a repeat means no set_epoch
         self.num_samples = self._num_samples(len(dataset))  # indices this rank yields
         self.total_size = self.num_samples * num_replicas  # indices all ranks yield together
+        self._agreement = _agreement_number(num_replicas, rank)  # compared across ranks at the first __iter__
 
     # --8<-- [start:num_samples]
     def _num_samples(self, n: int) -> int:
@@ -107,6 +110,11 @@ class ShardSampler(Sampler[int]):
     # --8<-- [start:iter]
     def __iter__(self) -> Iterator[int]:
         self._warn_if_set_epoch_was_forgotten()
+        if self._agreement is not None:
+            number, self._agreement = self._agreement, None  # once
+            check_same_on_every_rank(number, self.rank, self.num_replicas,
+                                     {"seed": self.seed, "len(dataset)": len(self.dataset), "shuffle": self.shuffle,
+                                      "drop_last": self.drop_last})
         n = len(self.dataset)
         if self.shuffle:  # the same permutation on every rank: same seed, same epoch
             g = torch.Generator()
@@ -148,3 +156,42 @@ class ShardSampler(Sampler[int]):
         return (f"ShardSampler(len(dataset)={len(self.dataset)}, num_replicas={self.num_replicas}, "
                 f"rank={self.rank}, shuffle={self.shuffle}, seed={self.seed}, drop_last={self.drop_last}, "
                 f"epoch={self.epoch})")
+
+
+AGREE_TIMEOUT_S = 5.0  # how long a first __iter__ waits for the other ranks' settings; then it goes on unchecked
+_samplers_built = 0  # ShardSamplers of the default group built in this process: the n-th pairs up across ranks
+
+
+def _agreement_number(num_replicas: int, rank: int) -> int | None:
+    """This sampler's number among the default group's samplers, or None when it shards something else."""
+    global _samplers_built
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if num_replicas != dist.get_world_size() or rank != dist.get_rank():
+        return None
+    _samplers_built += 1
+    return _samplers_built
+
+
+# --8<-- [start:agreement]
+def check_same_on_every_rank(number: int, rank: int, world_size: int, settings: dict) -> None:
+    """The n-th sampler of every rank must shard with the same settings, or the shards overlap (a seed
+    that differs per rank: torch's sampler stays silent). Through the group's store, not a collective:
+    a rank that iterates alone waits ``AGREE_TIMEOUT_S`` at most, then goes on unchecked."""
+    store = dist.distributed_c10d._get_default_store()
+    key = f"miniddp/shard_sampler/{number}"
+    store.set(f"{key}/{rank}", json.dumps(settings))
+    try:
+        store.wait([f"{key}/{r}" for r in range(world_size)], timedelta(seconds=AGREE_TIMEOUT_S))
+    except RuntimeError:  # the others are not iterating (yet): nothing to compare with
+        return
+    everyone = [json.loads(store.get(f"{key}/{r}")) for r in range(world_size)]
+    differ = [name for name in settings if len({json.dumps(s[name]) for s in everyone}) > 1]
+    if differ:
+        values = "; ".join(f"{name}: " + ", ".join(f"rank {r} {s[name]!r}" for r, s in enumerate(everyone))
+                           for name in differ)
+        verb = "differs" if len(differ) == 1 else "differ"
+        raise ValueError(f"ShardSampler: {', '.join(differ)} {verb} across ranks ({values}): every rank must "
+                         "shard the same dataset with the same settings, or the shards overlap and some samples "
+                         "are never seen. Pass the same seed on every rank (not seed + rank)")
+# --8<-- [end:agreement]

@@ -33,85 +33,20 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import shlex
+import signal
+import socket
 import sys
 
-import yaml
-
+from .accelerate_config import LaunchError, ignored_settings, read_config
 from .env import parse_slurm_nodelist
 
-KNOWN_KEYS = {"compute_environment", "distributed_type", "num_processes", "num_machines", "machine_rank",
-              "main_process_ip", "main_process_port", "mixed_precision", "same_network", "use_cpu",
-              "main_training_function", "rdzv_backend", "gpu_ids", "downcast_bf16", "debug", "enable_cpu_affinity",
-              "tpu_env", "tpu_use_cluster", "tpu_use_sudo", "dynamo_config", "num_cpu_threads_per_process"}
-DDP_TYPES = {"MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_HPU", "MULTI_MLU", "NO"}  # what miniddp can run
-OTHER_ENGINES = {"deepspeed_config": "DeepSpeed", "fsdp_config": "FSDP", "megatron_lm_config": "Megatron-LM",
-                 "DEEPSPEED": "DeepSpeed", "FSDP": "FSDP", "MEGATRON_LM": "Megatron-LM"}  # keys and distributed_types
-WHOLE_NUMBERS = {  # key: (lowest, highest, what to write instead)
-    "num_processes": (1, None, "the total number of processes over all machines, e.g. `num_processes: 2`"),
-    "num_machines": (1, None, "the number of machines, e.g. `num_machines: 1`"),
-    "machine_rank": (0, None, "this machine's index, 0 on the main machine"),
-    "main_process_port": (1, 65535, "a free TCP port on machine 0, e.g. `main_process_port: 29500`"),
-}
-MIXED_PRECISION = ("no", "fp16", "bf16")
 USAGE = "miniddp launch [options] script.py|-m module [args...]"
-
-
-class LaunchError(ValueError):
-    """A bad flag or config: ``main`` prints it as one line and exits with status 2."""
-
-
-def read_config(path) -> dict:
-    """An accelerate config file, checked key by key (mixed_precision normalised to a string)."""
-    try:
-        with open(path) as f:
-            cfg = yaml.safe_load(f)
-    except OSError as err:
-        raise LaunchError(f"--config_file {path}: {err.strerror}") from None
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise LaunchError(f"{path}: not valid YAML{where} ({getattr(err, 'problem', None) or err}); "
-                          "an accelerate config is one `key: value` per line") from None
-    if not isinstance(cfg, dict):
-        raise LaunchError(f"{path}: expected a YAML mapping of accelerate config keys (`num_processes: 2`, ...)")
-    engine = next((OTHER_ENGINES[k] for k in [*cfg, str(cfg.get("distributed_type"))] if k in OTHER_ENGINES), None)
-    if engine:
-        raise LaunchError(f"{path}: this is {'an' if engine == 'FSDP' else 'a'} {engine} config: "
-                          "it needs `accelerate launch`; miniddp runs DDP only")
-    unknown = sorted(set(cfg) - KNOWN_KEYS)
-    if unknown:
-        raise LaunchError(f"{path}: unknown key(s) {unknown}; known: {sorted(KNOWN_KEYS)}")
-    kind = cfg.get("distributed_type", "MULTI_GPU")
-    if kind not in DDP_TYPES:
-        raise LaunchError(f"{path}: distributed_type: {kind!r}: miniddp runs data-parallel jobs only "
-                          f"({', '.join(sorted(DDP_TYPES))}); other engines need `accelerate launch`")
-    for key, (low, high, fix) in WHOLE_NUMBERS.items():
-        value = cfg.get(key)
-        wrong = isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high)
-        if value is not None and wrong:
-            bounds = f"in {low}..{high}" if high else f">= {low}"
-            raise LaunchError(f"{path}: {key}: {json.dumps(value)} must be a whole number {bounds}: set it to {fix}")
-    if cfg.get("mixed_precision") is False:  # YAML reads an unquoted `no` as false
-        cfg["mixed_precision"] = "no"
-    if cfg.get("mixed_precision", "no") not in MIXED_PRECISION:
-        raise LaunchError(f"{path}: mixed_precision: {json.dumps(cfg['mixed_precision'])}: "
-                          f"miniddp supports {', '.join(MIXED_PRECISION)}")
-    for key in ("use_cpu", "same_network"):
-        if not isinstance(cfg.get(key, False), bool):
-            raise LaunchError(f"{path}: {key}: {json.dumps(cfg[key])} must be true or false")
-    if not isinstance(cfg.get("main_process_ip") or "", str):
-        raise LaunchError(f"{path}: main_process_ip: {json.dumps(cfg['main_process_ip'])} must be a host name "
-                          "or address, e.g. `main_process_ip: 10.0.0.1`")
-    return cfg
-
 
 # --8<-- [start:torchrun_args]
 def torchrun_args(cfg: dict, environ=None, machine_rank: int | None = None) -> list[str]:
     """The ``torch.distributed.run`` arguments an accelerate-style config describes."""
-    env = os.environ if environ is None else environ
     machines = int(cfg.get("num_machines", 1))
     total = int(cfg.get("num_processes", 1))  # over ALL machines, as in accelerate
     if machines < 1 or total < machines or total % machines:
@@ -122,6 +57,19 @@ def torchrun_args(cfg: dict, environ=None, machine_rank: int | None = None) -> l
         if machine_rank:
             raise LaunchError(f"machine_rank={machine_rank} must be 0 on a one-machine job (num_machines=1)")
         return ["--standalone", f"--nproc-per-node={per_node}"]  # loopback, a free port
+    machine_rank, host, port = meeting_point(cfg, environ, machine_rank)
+    args = [f"--nnodes={machines}", f"--nproc-per-node={per_node}"]
+    if static_rendezvous(cfg):  # node ranks are fixed
+        args += [f"--node-rank={machine_rank}", f"--master-addr={host}", f"--master-port={port}"]
+    else:  # c10d rendezvous: nodes meet at the endpoint and are numbered as they arrive
+        args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{port}"]
+    return args
+
+
+def meeting_point(cfg: dict, environ=None, machine_rank: int | None = None) -> tuple[int, str, int]:
+    """(this machine's rank, the main machine's host, its port) of a job on several machines."""
+    env = os.environ if environ is None else environ
+    machines = int(cfg.get("num_machines", 1))
     if machine_rank is None:  # under SLURM the node's own id wins over a fixed machine_rank
         machine_rank = int(env["SLURM_NODEID"]) if "SLURM_NODEID" in env else int(cfg.get("machine_rank", 0))
     if not 0 <= machine_rank < machines:
@@ -131,13 +79,12 @@ def torchrun_args(cfg: dict, environ=None, machine_rank: int | None = None) -> l
         host = parse_slurm_nodelist(env.get("SLURM_JOB_NODELIST") or env["SLURM_NODELIST"])[0]
     if not host:
         raise LaunchError("main_process_ip is required with num_machines > 1 (the address of machine_rank 0)")
-    port = int(cfg.get("main_process_port") or 29500)
-    args = [f"--nnodes={machines}", f"--nproc-per-node={per_node}"]
-    if cfg.get("same_network", True):  # static rendezvous: node ranks are fixed
-        args += [f"--node-rank={machine_rank}", f"--master-addr={host}", f"--master-port={port}"]
-    else:  # c10d rendezvous: nodes meet at the endpoint and are numbered as they arrive
-        args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{port}"]
-    return args
+    return machine_rank, host, int(cfg.get("main_process_port") or 29500)
+
+
+def static_rendezvous(cfg: dict) -> bool:
+    """Fixed machine ranks (accelerate's default), unless same_network: false or rdzv_backend: c10d."""
+    return cfg.get("same_network", True) and cfg.get("rdzv_backend", "static") == "static"
 # --8<-- [end:torchrun_args]
 
 
@@ -184,9 +131,17 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
 
 # --8<-- [start:script_env]
 def script_env(cfg: dict) -> dict:
-    """The config's settings for any script, as accelerate's ``ACCELERATE_*`` variables are."""
-    return {"MINIDDP_MIXED_PRECISION": cfg.get("mixed_precision", "no"),
-            "MINIDDP_USE_CPU": "true" if cfg.get("use_cpu") else "false"}
+    """The config's settings for any script, as accelerate's ``ACCELERATE_*`` variables are; and what
+    accelerate sets for the workers itself (visible GPUs, threads, debug mode)."""
+    env = {"MINIDDP_MIXED_PRECISION": cfg.get("mixed_precision", "no"),
+           "MINIDDP_USE_CPU": "true" if cfg.get("use_cpu") else "false"}
+    if cfg.get("gpu_ids") is not None and str(cfg["gpu_ids"]).strip().lower() != "all":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(part.strip() for part in str(cfg["gpu_ids"]).split(","))
+    if cfg.get("num_cpu_threads_per_process"):
+        env["OMP_NUM_THREADS"] = str(cfg["num_cpu_threads_per_process"])
+    if cfg.get("debug"):
+        env["MINIDDP_DEBUG"] = "collectives"
+    return env
 
 
 def train_flags(cfg: dict, flags: list[str]) -> list[str]:
@@ -227,6 +182,28 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+RENDEZVOUS_TIMEOUT_S = 600  # torchrun's, static and c10d alike: how long machines wait for each other
+
+
+def before_launch(cfg: dict, machine_rank: int | None) -> list[str]:
+    """What a multi-machine job says before it waits (else it is silent for up to 10 minutes); and, on
+    the main machine of a static job, a refusal if its port is already taken (else a traceback)."""
+    machines = int(cfg.get("num_machines", 1))
+    if machines == 1:
+        return []
+    rank, host, port = meeting_point(cfg, machine_rank=machine_rank)
+    if rank == 0 and static_rendezvous(cfg):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store binds
+            try:
+                probe.bind(("", port))
+            except OSError as err:
+                raise LaunchError(f"main_process_port {port} is already in use on this machine ({err.strerror}): "
+                                  "another job holds it; choose another main_process_port (on every machine)")
+    return [f"machine {rank} of {machines}: waiting at {host}:{port} for the other {machines - 1} machine(s) to "
+            f"start, for up to {RENDEZVOUS_TIMEOUT_S} s (torchrun's rendezvous timeout)"]
+
+
 def launch_command(argv: list[str]) -> tuple[list[str], dict, bool]:
     """The torchrun arguments, the environment for the workers, and whether this is a dry run."""
     ours, target, script_args = split_argv(argv)
@@ -246,8 +223,12 @@ def launch_command(argv: list[str]) -> tuple[list[str], dict, bool]:
         per_node, why = default_num_processes(cfg.get("use_cpu", False))
         cfg["num_processes"] = per_node * cfg.get("num_machines", 1)
     command = torchrun_args(cfg, machine_rank=args.machine_rank) + target
-    if why:  # said once the command is known to be good: an error stays one line
-        print(f"miniddp launch: {why}; --num_processes N to choose", file=sys.stderr)
+    notices = [f"{why}; --num_processes N to choose"] if why else []
+    notices += [f"{args.config_file}: ignoring {', '.join(ignored_settings(cfg))}"] if ignored_settings(cfg) else []
+    if not args.dry_run:
+        notices += before_launch(cfg, args.machine_rank)
+    for line in notices:  # said once the command is known to be good: an error stays one line
+        print(f"miniddp launch: {line}", file=sys.stderr, flush=True)
     if target == ["-m", "miniddp.train"]:
         script_args = train_flags(cfg, script_args)
     return command + script_args, script_env(cfg), args.dry_run
@@ -286,6 +267,8 @@ def main(argv=None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun  # the real torchrun, in this process
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     os.environ.update(env)
     try:
         torchrun(command)
@@ -293,6 +276,11 @@ def main(argv=None) -> int:
         print(err, file=sys.stderr)
         code = err.get_first_failure()[1].exitcode
         return code if 0 < code < 256 else 128 - code if code < 0 else 1
+    except (KeyboardInterrupt, SignalException) as stop:  # Ctrl-C or a kill: torchrun has stopped the workers
+        signum = getattr(stop, "sigval", signal.SIGINT)
+        print(f"miniddp launch: stopped by {signal.Signals(signum).name}; the workers were stopped too",
+              file=sys.stderr, flush=True)
+        return 128 + int(signum)
     return 0
 
 

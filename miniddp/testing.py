@@ -156,8 +156,9 @@ def _worker(rank, world_size, fn, args, kwargs, conn, lifeline, inherited, host,
             payload = None
         conn.send_bytes(pickle.dumps(("error", rank, (type(exc).__name__, traceback.format_exc(), payload))))
     finally:
-        if init:  # bounded: a rank whose peer failed mid-collective does not wait for it. No garbage
-            destroy_process_group(collect=False)  # collection: the rank ends with os._exit, no teardown to race
+        # the group, ours or one fn made (the notebook launcher's): bounded, so a rank whose peer failed
+        # mid-collective does not wait for it; no garbage collection: the rank ends with os._exit
+        destroy_process_group(collect=False)
         conn.close()
 # --8<-- [end:worker]
 

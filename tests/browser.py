@@ -318,9 +318,13 @@ def check_site(site_dir: Path, chromium: str, shots: Path, search_term: str = "S
                 "label.md-header__button[for=__search]") else None
             box = page.locator("input.md-search__input")
             box.click()
-            box.fill(search_term)
+            # the index loads in a web worker: a query typed before it is ready finds nothing (a loaded
+            # machine), so wait for Material to replace its "Initializing search" first
+            page.wait_for_function("() => !/initializ/i.test(document.querySelector('.md-search-result__meta')"
+                                   "?.textContent ?? 'initializing')", timeout=120000)
+            box.press_sequentially(search_term)  # key by key: Material queries on key events, not on a set value
             try:
-                page.wait_for_selector(f".md-search-result__item a[href*='{search_target}']", timeout=10000)
+                page.wait_for_selector(f".md-search-result__item a[href*='{search_target}']", timeout=30000)
             except Exception:
                 hits = page.eval_on_selector_all(".md-search-result__item a", "els => els.map(a => a.href)")
                 report.add("", f"searching {search_term!r} finds no link to {search_target} (found {hits[:5]})")

@@ -12,7 +12,7 @@ Registered in mkdocs.yml as ``hooks: [docs/hooks/links.py]``. What it does:
   - upstream issues named with their repository (``pytorch/pytorch#149781``,
     ``pytorch#33148, #38174``, ``huggingface/accelerate#1726``, ``Lightning#7129``)
     -> that repository's issue; a bare ``#N`` is linked only in such a list, right
-    after a named one (this project's own "issue 11" is never touched);
+    after a named one (a bare "issue N" in prose is never touched);
   - the PyTorch API names of :data:`TORCH_DOCS`, at their first mention on a page,
     -> docs.pytorch.org.
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from miniddp.averaging import average_gradients, naive_all_reduce, ring_all_reduce
+from miniddp.by_hand.averaging import average_gradients, naive_all_reduce, ring_all_reduce
 from miniddp.testing import run_on_ranks
 
 METHODS = ["dist.all_reduce", "ring_all_reduce", "naive_all_reduce", "per-parameter"]

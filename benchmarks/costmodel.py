@@ -40,10 +40,10 @@ from pathlib import Path
 import torch
 
 import miniddp
-from miniddp.costmodel import (StepProfile, fit_alpha_beta, measure_all_reduce, measure_overlap_cost, naive_step_time,
+from miniddp.engine.costmodel import (StepProfile, fit_alpha_beta, measure_all_reduce, measure_overlap_cost, naive_step_time,
                                predict_step_time, rebuilt_assignment)
 from miniddp.testing import run_on_ranks
-from miniddp.trace import Tracer, step_summary
+from miniddp.diagnostics.trace import Tracer, step_summary
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

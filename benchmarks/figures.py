@@ -3,7 +3,7 @@
 Run:  python benchmarks/figures.py
 
 * ``docs/img/ring-allreduce.svg``: ``ring_all_reduce`` on 4 ranks, step by step. The
-  chunks and the order come from ``miniddp.averaging.ring_schedule``: each panel is one
+  chunks and the order come from ``miniddp.by_hand.averaging.ring_schedule``: each panel is one
   step, each column a rank, each cell a chunk, coloured by how many ranks' values it holds.
 * ``docs/img/sharding.svg``: ``ShardSampler`` with 10 samples on 3 ranks, shuffle off and
   on (seed 0, epoch 0): the padded index list and which positions each rank takes.
@@ -19,8 +19,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
 
-from miniddp.averaging import ring_schedule  # noqa: E402
-from miniddp.sharding import ShardSampler  # noqa: E402
+from miniddp.by_hand.averaging import ring_schedule  # noqa: E402
+from miniddp.by_hand.sharding import ShardSampler  # noqa: E402
 
 IMG = Path(__file__).resolve().parents[1] / "docs" / "img"
 matplotlib.rcParams["svg.fonttype"] = "none"  # text stays text

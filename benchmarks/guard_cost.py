@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from miniddp.no_sync import ChangedInWindow
+from miniddp.engine.no_sync import ChangedInWindow
 from miniddp.testing import run_on_ranks
 
 
@@ -33,7 +33,7 @@ def check_per_call(num_params: int, reps: int = 2000) -> float:
 
 def _sampler_agreement(rank, world_size, reps):
     import miniddp
-    from miniddp import sharding
+    from miniddp.by_hand import sharding
 
     times = []
     for _ in range(reps):

@@ -6,7 +6,7 @@ Per rank, ``miniddp.DistributedDataParallel`` with a ``Tracer`` and torch's
 ``DistributedDataParallel`` on a copy of the same model, in one process group, on
 the same batches; steps alternate between the two (after a warm-up that includes
 the one-time bucket rebuild). For miniddp each step's events give the exposed
-communication (``miniddp.trace.step_summary``); for torch, its own logging data
+communication (``miniddp.diagnostics.trace.step_summary``); for torch, its own logging data
 (``_get_ddp_logging_data()``, with the runtime-stats sampling rate set to every
 iteration) gives ``backward_comm_time`` and ``backward_compute_comm_overlap_time``
 for the same steps. The step drawn is miniddp's median one.
@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
 from miniddp.testing import run_on_ranks
-from miniddp.trace import Tracer, plot_timeline, save_chrome_trace, step_summary
+from miniddp.diagnostics.trace import Tracer, plot_timeline, save_chrome_trace, step_summary
 
 HERE = Path(__file__).parent
 

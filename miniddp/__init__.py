@@ -4,22 +4,22 @@ Each concept of DDP is one module (see ``docs/index.md`` for the map); this file
 re-exports the public names so that ``import miniddp`` is all a user needs.
 """
 
-from .backend import DEVICE_BACKENDS, device_for_local_rank, select_backend
-from .env import DistEnv, init_distributed, parse_slurm_nodelist
-from .timeouts import DEFAULT_TIMEOUT_S, StalledRankError, as_timedelta, monitored_barrier
-from .desync import CollectiveMismatchError
-from .bucketing import compute_bucket_assignment
-from .ddp import DistributedDataParallel, WrappedAgainError
+from .process_group.backend import DEVICE_BACKENDS, device_for_local_rank, select_backend
+from .process_group.env import DistEnv, init_distributed, parse_slurm_nodelist
+from .process_group.timeouts import DEFAULT_TIMEOUT_S, StalledRankError, as_timedelta, monitored_barrier
+from .process_group.desync import CollectiveMismatchError
+from .engine.bucketing import compute_bucket_assignment
+from .engine.ddp import DistributedDataParallel, WrappedAgainError
 from . import comm_hooks  # miniddp.comm_hooks.allreduce_hook, ..., PowerSGDState, powerSGD_hook
-from .no_sync import accumulation_windows, no_sync, should_sync
-from .sharding import ShardSampler
-from .averaging import average_gradients, ring_all_reduce
-from .config import TrainingConfig
-from .batches import EvalPrediction
-from .output_dir import OutputDirError
-from .nonfinite import NonFiniteLossError
-from .resume import SetupChangedError
-from .trainer import Trainer
+from .engine.no_sync import accumulation_windows, no_sync, should_sync
+from .by_hand.sharding import ShardSampler
+from .by_hand.averaging import average_gradients, ring_all_reduce
+from .training.config import TrainingConfig
+from .training.batches import EvalPrediction
+from .training.output_dir import OutputDirError
+from .training.nonfinite import NonFiniteLossError
+from .training.resume import SetupChangedError
+from .training.trainer import Trainer
 
 __version__ = "0.1.0"
 

@@ -60,7 +60,7 @@ from multiprocessing.connection import wait
 import torch
 import torch.distributed as dist
 
-from .clean_exit import destroy_process_group
+from .process_group.clean_exit import destroy_process_group
 
 DEFAULT_TIMEOUT_S = 120.0  # a whole multi-rank call; tests pass smaller ones
 # What the forkserver imports once. torch._dynamo is imported lazily by torch DDP's first

@@ -25,11 +25,11 @@ from torch.utils.data import TensorDataset
 
 import miniddp
 from miniddp import Trainer, TrainingConfig
-from miniddp.accelerate_config import LaunchError, ignored_settings, read_config
-from miniddp.checkpoint import MANIFEST, checkpoints
-from miniddp.launch import main as launch_main, script_env, torchrun_args
-from miniddp.output_dir import LOCK, OutputDirError, claim_output_dir
-from miniddp.tasks import make_task
+from miniddp.training.accelerate_config import LaunchError, ignored_settings, read_config
+from miniddp.training.checkpoint import MANIFEST, checkpoints
+from miniddp.training.launch import main as launch_main, script_env, torchrun_args
+from miniddp.training.output_dir import LOCK, OutputDirError, claim_output_dir
+from miniddp.training.tasks import make_task
 from miniddp.testing import run_on_ranks
 from models import MODELS
 
@@ -212,7 +212,7 @@ def test_6_a_step_inside_no_sync_is_warned_once_torch_stays_silent():
 # --- 7. ShardSampler with a seed per rank -------------------------------------------------------------
 
 def _sampler_seeds(rank, world_size, seeds, alone):
-    from miniddp import sharding
+    from miniddp.by_hand import sharding
 
     sharding.AGREE_TIMEOUT_S = 1.0
     sampler = miniddp.ShardSampler(range(20), seed=seeds[rank])

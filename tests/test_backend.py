@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import miniddp
-from miniddp import backend as backend_mod
+from miniddp.process_group import backend as backend_mod
 from miniddp.testing import backend_params, run_on_ranks
 
 

@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import miniddp
-from miniddp.bucketing import MiB, Bucket, bucket_size_limits
+from miniddp.engine.bucketing import MiB, Bucket, bucket_size_limits
 from miniddp.testing import run_on_ranks
-from miniddp.trace import Tracer
+from miniddp.diagnostics.trace import Tracer
 from models import MODELS
 
 
@@ -146,7 +146,7 @@ def _launched_before_the_last_gradient(events) -> list[int]:
 
 def _trace_with_launches_deferred_to_the_end(rank, world_size):
     """Negative control: the reducer launches nothing until backward is over (no overlap at all)."""
-    from miniddp.reducer import Reducer
+    from miniddp.engine.reducer import Reducer
 
     launch = Reducer._launch
     Reducer._launch = lambda self, state, wait=False: launch(self, state, wait) if wait else None

@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import miniddp
-from miniddp.buffers import ParameterMismatchError, broadcast_coalesced
+from miniddp.engine.buffers import ParameterMismatchError, broadcast_coalesced
 from miniddp.testing import RankError, run_on_ranks
 from models import MODELS
 

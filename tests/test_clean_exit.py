@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from miniddp.clean_exit import destroy_process_group, gloo_threads
+from miniddp.process_group.clean_exit import destroy_process_group, gloo_threads
 from miniddp.testing import run_on_ranks
 
 SCRIPTS = Path(__file__).resolve().parent / "exit_scripts"

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import miniddp
 from miniddp import comm_hooks
 from miniddp.comm_hooks import GradBucket, count_bytes
-from miniddp.powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook, powersgd_reference
+from miniddp.comm_hooks.powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook, powersgd_reference
 from miniddp.testing import run_on_ranks
 from models import MODELS
 
@@ -251,7 +251,7 @@ def test_misused_hooks_get_clear_errors():
 # --8<-- [start:many_buckets]
 def _many_buckets(rank, world_size, steps):
     results = {}
-    for name, module in (("ours", miniddp.powersgd), ("torch's", torch_powersgd)):
+    for name, module in (("ours", miniddp.comm_hooks.powersgd), ("torch's", torch_powersgd)):
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])  # 16 KiB per weight
         ddp = miniddp.DistributedDataParallel(model, bucket_cap_mb=0.01)  # one layer per bucket

@@ -5,8 +5,8 @@ import math
 import pytest
 
 from miniddp import TrainingConfig
-from miniddp.config import choices, field_help
-from miniddp.train import build_parser, parse_config
+from miniddp.training.config import choices, field_help
+from miniddp.training.cli import build_parser, parse_config
 
 
 def test_defaults_match_hugging_face_where_it_matters():

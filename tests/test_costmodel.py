@@ -8,13 +8,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import miniddp
-from miniddp.auto_bucket import CANDIDATE_CAPS, choose_bucket_cap_mb, profile_from_ready
-from miniddp.bucketing import MiB, bucket_size_limits
-from miniddp.costmodel import (AlphaBeta, StepProfile, best_bucket_cap_mb, fit_alpha_beta, measure_all_reduce,
+from miniddp.engine.auto_bucket import CANDIDATE_CAPS, choose_bucket_cap_mb, profile_from_ready
+from miniddp.engine.bucketing import MiB, bucket_size_limits
+from miniddp.engine.costmodel import (AlphaBeta, StepProfile, best_bucket_cap_mb, fit_alpha_beta, measure_all_reduce,
                                measure_overlap_cost, naive_step_time, predict_step_time, rebuilt_assignment,
                                simulate)
 from miniddp.testing import run_on_ranks
-from miniddp.trace import Tracer, step_summary
+from miniddp.diagnostics.trace import Tracer, step_summary
 
 
 def profile(ready, nbytes, forward=0.0, optimizer=0.0, tail=0.0, compute_end=0.0) -> StepProfile:
@@ -215,7 +215,7 @@ def test_a_profile_read_from_a_real_trace_adds_up_and_predicts_ddps_own_buckets(
 
 
 # --8<-- [start:auto]
-# bucket_cap_mb="auto": the cost model picks the cap at the rebuild (miniddp/auto_bucket.py)
+# bucket_cap_mb="auto": the cost model picks the cap at the rebuild (miniddp/engine/auto_bucket.py)
 
 def test_auto_picks_the_hand_computed_cap_for_each_overlap_cost():
     # the hand-computed timeline of test_best_bucket_cap_is_the_hand_computed_one, as ready-time dicts
@@ -245,8 +245,8 @@ def test_auto_other_strings_are_refused_naming_bucket_cap_mb(bad):
 
 
 def test_auto_is_a_config_value_and_a_cli_word():
-    from miniddp.config import TrainingConfig, field_help
-    from miniddp.train import parse_config
+    from miniddp.training.config import TrainingConfig, field_help
+    from miniddp.training.cli import parse_config
     assert TrainingConfig(ddp_bucket_cap_mb="auto").ddp_bucket_cap_mb == "auto"
     assert parse_config(["--ddp_bucket_cap_mb", "auto"]).ddp_bucket_cap_mb == "auto"
     assert parse_config(["--ddp_bucket_cap_mb", "4"]).ddp_bucket_cap_mb == 4.0

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
-from miniddp import desync
+from miniddp.process_group import desync
 from miniddp.testing import backend_params, run_on_ranks
 from models import MLP
 

@@ -21,8 +21,8 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.checkpoint import checkpoint
 
 import miniddp
-from miniddp.buffers import ParameterMismatchError
-from miniddp.checkpoint import load_checkpoint, save_checkpoint
+from miniddp.engine.buffers import ParameterMismatchError
+from miniddp.training.checkpoint import load_checkpoint, save_checkpoint
 from miniddp.testing import RankError, run_on_ranks
 from models import MODELS
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
-from miniddp.join import EarlyTerminationError
+from miniddp.engine.join import EarlyTerminationError
 from miniddp.testing import RankError, run_on_ranks
 from models import MODELS
 

@@ -14,7 +14,8 @@ import torch
 import yaml
 
 from miniddp import TrainingConfig
-from miniddp.launch import main, notebook_launcher, read_config, split_argv, torchrun_args, train_flags
+from miniddp.notebook import notebook_launcher
+from miniddp.training.launch import main, read_config, split_argv, torchrun_args, train_flags
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "docs" / "examples"
 MINIDDP = Path(sys.executable).parent / "miniddp"  # the installed console script, beside this python
@@ -322,7 +323,7 @@ def test_two_nodes_on_loopback_equal_one_node_with_four_processes(tmp_path):
 
 def _notebook_job(config):
     from miniddp import Trainer
-    from miniddp.tasks import make_task
+    from miniddp.training.tasks import make_task
 
     return Trainer(args=config, **make_task(config)).train()["global_step"]
 

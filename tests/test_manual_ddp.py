@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from miniddp.averaging import average_gradients
-from miniddp.sharding import ShardSampler
+from miniddp.by_hand.averaging import average_gradients
+from miniddp.by_hand.sharding import ShardSampler
 from miniddp.testing import backend_params, run_on_ranks
 
 N_SAMPLES = 22  # not a multiple of 3 or 4: the samplers pad, and the oracle must agree

@@ -21,11 +21,11 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from miniddp import Trainer, TrainingConfig
-from miniddp.checkpoint import checkpoints, load_checkpoint
-from miniddp.output_dir import LOCK, OutputDirError, OutputDirLock, atomic_save, bytes_to_save
-from miniddp.tasks import make_task
+from miniddp.training.checkpoint import checkpoints, load_checkpoint
+from miniddp.training.output_dir import LOCK, OutputDirError, OutputDirLock, atomic_save, bytes_to_save
+from miniddp.training.tasks import make_task
 from miniddp.testing import run_on_ranks
-from miniddp.nonfinite import NonFiniteLossError
+from miniddp.training.nonfinite import NonFiniteLossError
 
 SMALL = dict(max_steps=4, dataset_size=128, eval_size=0, per_device_train_batch_size=8, disable_tqdm=True)
 
@@ -68,7 +68,7 @@ def test_a_second_run_into_a_running_run_s_directory_fails_at_once_naming_the_ho
 
 
 def test_the_lock_of_a_killed_run_is_taken_over_with_a_message(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from miniddp.output_dir import "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from miniddp.training.output_dir import "
                                "OutputDirLock; OutputDirLock(sys.argv[1]); print('locked', flush=True); "
                                "time.sleep(600)", str(tmp_path)], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline() == "locked\n"

@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from miniddp import Trainer, TrainingConfig
-from miniddp.checkpoint import checkpoints
-from miniddp.resume import SetupChangedError
-from miniddp.tasks import make_task
+from miniddp.training.checkpoint import checkpoints
+from miniddp.training.resume import SetupChangedError
+from miniddp.training.tasks import make_task
 from miniddp.testing import run_on_ranks
 
 # 2 ranks x 8 per device over 200 samples: 13 batches per rank, windows of 3 -> [3, 3, 3, 3, 1]

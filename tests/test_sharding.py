@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from miniddp.sharding import ShardSampler
+from miniddp.by_hand.sharding import ShardSampler
 from miniddp.testing import RankError, backend_params, run_on_ranks
 
 

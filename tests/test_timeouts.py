@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import miniddp
 from miniddp.testing import backend_params, run_on_ranks
-from miniddp.timeouts import monitored_barrier, naming_stalled_ranks, nccl_watchdog_env
+from miniddp.process_group.timeouts import monitored_barrier, naming_stalled_ranks, nccl_watchdog_env
 
 
 @pytest.mark.parametrize("value, seconds", [(1800, 1800), (2.5, 2.5), (timedelta(minutes=2), 120)])

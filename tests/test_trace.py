@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import miniddp
 from miniddp.testing import backend_params, run_on_ranks
-from miniddp.trace import Tracer, plot_timeline, save_chrome_trace, step_summary, to_chrome_trace
+from miniddp.diagnostics.trace import Tracer, plot_timeline, save_chrome_trace, step_summary, to_chrome_trace
 from models import MODELS
 
 

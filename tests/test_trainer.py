@@ -11,8 +11,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 from miniddp import Trainer, TrainingConfig
-from miniddp.checkpoint import CHECKPOINT_ERRORS, CorruptCheckpointError, checkpoints
-from miniddp.tasks import make_task
+from miniddp.training.checkpoint import CHECKPOINT_ERRORS, CorruptCheckpointError, checkpoints
+from miniddp.training.tasks import make_task
 from miniddp.testing import RankError, run_on_ranks
 
 
@@ -143,7 +143,7 @@ def test_a_corrupt_checkpoint_is_refused(damage, tmp_path):
 
 
 def _crash_mid_save(rank, world_size, out):
-    import miniddp.checkpoint as ck
+    import miniddp.training.checkpoint as ck
 
     cfg = {"max_steps": 4, "save_steps": 2, "output_dir": out, "per_device_train_batch_size": 8}
     real_save = ck.atomic_save
@@ -220,7 +220,7 @@ def test_a_checkpoint_one_rank_cannot_load_stops_every_rank_with_its_message(tmp
 
 def _cli(rank, world_size, argv):
     """``miniddp-train argv`` in this rank's process: (exit status, stdout, stderr)."""
-    from miniddp.train import main
+    from miniddp.training.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from miniddp import Trainer, TrainingConfig
-from miniddp.ddp import move_to
+from miniddp.engine.ddp import move_to
 from miniddp.testing import RankError, run_on_ranks
 
 VOCAB, LENGTH, CLASSES = 12, 10, 5

@@ -40,9 +40,9 @@ import torch
 import torch.distributed as dist
 import yaml
 
-import miniddp.timeouts as timeouts
+import miniddp.process_group.timeouts as timeouts
 from hosts import Host, two_hosts, unavailable
-from miniddp.checkpoint import MANIFEST, load_checkpoint
+from miniddp.training.checkpoint import MANIFEST, load_checkpoint
 from miniddp.testing import run_on_ranks
 
 BIN = Path(sys.executable).parent  # torchrun and the miniddp console script, beside this python

@@ -27,7 +27,7 @@ holds = any(group is value for f in vars(functional).values() if isinstance(f, t
             for value in (f.__defaults__ or ()))
 del group
 dist.destroy_process_group()
-from miniddp.clean_exit import gloo_threads  # noqa: E402 - only reads /proc
+from miniddp.process_group.clean_exit import gloo_threads  # noqa: E402 - only reads /proc
 
 with open(report, "w") as f:
     json.dump({"defaults_hold_group": holds, "gloo_threads_after_destroy": gloo_threads()}, f)

@@ -16,7 +16,7 @@ wrapper, end, report = sys.argv[1:4]
 
 @atexit.register  # first registered, last run: after miniddp's atexit destroy, before Py_FinalizeEx
 def write_report():
-    from miniddp.clean_exit import gloo_threads
+    from miniddp.process_group.clean_exit import gloo_threads
 
     with open(report, "w") as f:
         json.dump(gloo_threads(), f)

@@ -47,16 +47,16 @@ from .batches import compute_loss, count_items, evaluate
 from .checkpoint import (checkpoints, load_checkpoint_on_every_rank, load_states, on_every_rank, save_checkpoint,
                          set_aside_later_results)
 from .config import TrainingConfig
-from .comm_hooks import hook_by_name
-from .ddp import DistributedDataParallel, move_to
-from .env import init_distributed
+from ..comm_hooks import hook_by_name
+from ..engine.ddp import DistributedDataParallel, move_to
+from ..process_group.env import init_distributed
 from .epoch import plan_epoch
 from .nonfinite import finite_or_null, grad_norm, stop_if_not_finite
 from .output_dir import atomic_save, atomic_write_text, bytes_to_save, claim_output_dir
 from .resume import (apply_new_schedule, check_position, compare_setups, epoch_batches, position_in_new_units,
                      seed_per_rank, set_rng_state, setup_of)
-from .sharding import ShardSampler
-from .timeouts import naming_stalled_ranks
+from ..by_hand.sharding import ShardSampler
+from ..process_group.timeouts import naming_stalled_ranks
 
 
 class Trainer:

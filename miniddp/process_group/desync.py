@@ -41,7 +41,7 @@ import torch.distributed as dist
 from .timeouts import as_timedelta
 
 DEBUG_ENV, TIMEOUT_ENV = "MINIDDP_DEBUG", "MINIDDP_DEBUG_TIMEOUT"  # the switch; seconds to wait for a late rank
-_SKIP = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep)  # not user code
+_SKIP = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep)  # not user code
 _ABSENT = "\x00absent"  # compare_set(key, _ABSENT, _ABSENT) reads a key without waiting for it
 # miniddp functions that issue collectives -> what the message calls their collective
 _INTERNAL = {"_call_hook": "bucket {bucket} all-reduce", "rebuild": "bucket order broadcast",

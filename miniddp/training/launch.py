@@ -1,4 +1,4 @@
-"""Launching: ``miniddp launch script.py`` like ``accelerate launch``, SLURM-aware; and a notebook launcher.
+"""Launching: ``miniddp launch script.py`` like ``accelerate launch``, SLURM-aware.
 
 What
     ``miniddp launch [--config_file F] [--num_processes N] [--machine_rank R] [--dry_run]
@@ -10,8 +10,7 @@ What
     ``accelerate config`` file (``num_processes`` is the total over all machines,
     ``num_machines``, ``machine_rank``, ``main_process_ip``, ``main_process_port``,
     ``mixed_precision``, ``same_network``, ``use_cpu``). The training CLI is
-    ``miniddp launch ... -m miniddp.train --output_dir out``. ``notebook_launcher``
-    runs a function on N ranks from a notebook.
+    ``miniddp launch ... -m miniddp.train --output_dir out``.
 
 Why
     The YAML is how TRL and Accelerate users describe jobs (TRL's multi-node
@@ -26,7 +25,7 @@ How Accelerate differs
     (``accelerate/commands/launch.py``, ``utils/launch.py``) plus many
     backends (DeepSpeed, FSDP, TPU), and hands the YAML's settings to the script
     as ``ACCELERATE_*`` variables; ours are ``MINIDDP_MIXED_PRECISION`` and
-    ``MINIDDP_USE_CPU``. Its ``notebook_launcher`` forks too.
+    ``MINIDDP_USE_CPU``.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ import socket
 import sys
 
 from .accelerate_config import LaunchError, ignored_settings, read_config
-from .env import parse_slurm_nodelist
+from ..process_group.env import parse_slurm_nodelist
 
 USAGE = "miniddp launch [options] script.py|-m module [args...]"
 
@@ -282,18 +281,6 @@ def main(argv=None) -> int:
               file=sys.stderr, flush=True)
         return 128 + int(signum)
     return 0
-
-
-def notebook_launcher(function, args=(), num_processes: int = 2, timeout: float = 600.0) -> list:
-    """Run ``function(*args)`` on ``num_processes`` ranks from a notebook (fork, torchrun's variables set).
-
-    The function joins the job itself, e.g. by building a ``miniddp.Trainer``
-    (which calls ``init_distributed``). Returns each rank's return value.
-    """
-    from .testing import run_on_ranks
-
-    return run_on_ranks(lambda rank, world_size: function(*args), num_processes, init=False,
-                        start_method="fork", timeout=timeout)
 
 
 if __name__ == "__main__":

@@ -46,11 +46,11 @@ from .auto_bucket import AutoBucketCap
 from .bucketing import bucket_size_limits
 from .buffers import (broadcast_buffers, refuse_meta_tensors, refuse_sparse_gradients, sync_module_states,
                       verify_same_model)
-from .clean_exit import group_or_default
+from ..process_group.clean_exit import group_or_default
 from .join import Join
 from .no_sync import ChangedInWindow, no_sync
 from .reducer import Reducer
-from .timeouts import announce_process
+from ..process_group.timeouts import announce_process
 
 
 class WrappedAgainError(RuntimeError):
@@ -151,7 +151,7 @@ class DistributedDataParallel(torch.nn.Module):
                 "(to change it mid-training, wrap the model again).")
 
     def no_sync(self):
-        """Context manager: accumulate gradients locally; see ``miniddp.no_sync``."""
+        """Context manager: accumulate gradients locally; see ``miniddp.engine.no_sync``."""
         return no_sync(self)
 
     # --8<-- [start:register_comm_hook]
@@ -180,7 +180,7 @@ class DistributedDataParallel(torch.nn.Module):
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Join:
         """Context manager for uneven inputs (torch's semantics): ranks that run out of batches shadow
-        the collectives of those still training; see ``miniddp.join``."""
+        the collectives of those still training; see ``miniddp.engine.join``."""
         return Join(self, divide_by_initial_world_size, enable, throw_on_early_termination)
     # --8<-- [end:join]
 

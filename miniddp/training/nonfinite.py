@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import checkpoints
-from .timeouts import naming_stalled_ranks
+from ..process_group.timeouts import naming_stalled_ranks
 
 
 class NonFiniteLossError(RuntimeError):

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .comm_hooks import all_reduce, allreduce_hook
+from ..comm_hooks import all_reduce, allreduce_hook
 
 
 class PowerSGDState:

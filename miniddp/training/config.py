@@ -37,10 +37,10 @@ import math
 import re
 from dataclasses import asdict, dataclass, fields
 
-from .backend import valid_backend_names
-from .bucketing import check_bucket_cap_mb
-from .comm_hooks import COMM_HOOKS
-from .timeouts import DEFAULT_TIMEOUT_S, as_timedelta
+from ..process_group.backend import valid_backend_names
+from ..engine.bucketing import check_bucket_cap_mb
+from ..comm_hooks import COMM_HOOKS
+from ..process_group.timeouts import DEFAULT_TIMEOUT_S, as_timedelta
 
 MIXED_PRECISION = ("no", "bf16", "fp16")
 LOSS_NORMALIZATION = ("per_batch", "global_tokens")

@@ -53,10 +53,10 @@ import torch.distributed as dist
 from torch.autograd.graph import get_gradient_edge
 
 from .bucketing import bucket_size_limits, build_buckets, compute_bucket_assignment, rebuilt_assignment
-from .clean_exit import group_or_default
-from .comm_hooks import allreduce_hook, hook_name, hook_result, issues_everything_in_call
+from ..process_group.clean_exit import group_or_default
+from ..comm_hooks import allreduce_hook, hook_name, hook_result, issues_everything_in_call
 from .no_sync import Accumulated, unprepared_backward_message
-from .timeouts import naming_stalled_ranks
+from ..process_group.timeouts import naming_stalled_ranks
 from .unused import (NOTHING_UNUSED, UsedCounts, check_counts, find_tensors, gradient_twice_message,
                      unused_contribution, unused_parameters)
 
@@ -94,7 +94,7 @@ class Reducer:
         self.size_limits = list(size_limits)  # bucket byte limits (first, then the rest)
         self.find_unused = find_unused_parameters  # walk the graph after each forward?
         self.as_view = gradient_as_bucket_view  # .grad is a view into the bucket
-        self.tracer = tracer  # optional miniddp.trace.Tracer
+        self.tracer = tracer  # optional miniddp.diagnostics.trace.Tracer
         self.auto_cap = auto_cap  # bucket_cap_mb="auto": an auto_bucket.AutoBucketCap, which sets the rebuild's cap
         self.hook, self.hook_state = allreduce_hook, process_group  # what each ready bucket goes through
         self.custom_hook = False  # register_comm_hook was called: the hook divides, not the copy-in

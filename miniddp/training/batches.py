@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Subset
 
-from .ddp import move_to
+from ..engine.ddp import move_to
 
 IGNORE_INDEX = -100  # labels equal to this are not counted (Hugging Face's and cross_entropy's default)
 

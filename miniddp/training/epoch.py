@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .no_sync import accumulation_windows
+from ..engine.no_sync import accumulation_windows
 
 
 @dataclass(frozen=True)

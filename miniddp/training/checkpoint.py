@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from .output_dir import OutputDirError, atomic_save, atomic_write_text
 from .resume import rng_state
-from .timeouts import naming_stalled_ranks
+from ..process_group.timeouts import naming_stalled_ranks
 
 MANIFEST = "manifest.json"  # written last: its presence marks a complete checkpoint
 

@@ -3,7 +3,7 @@
 What
     ``fit_alpha_beta`` fits the α–β (Hockney) model of one all-reduce,
     ``seconds = α + β·bytes``, to ``measure_all_reduce``'s timings on the live
-    group. ``StepProfile.from_events`` reads one step traced by ``miniddp.trace``:
+    group. ``StepProfile.from_events`` reads one step traced by ``miniddp.diagnostics.trace``:
     forward, when each gradient became ready, the tail of ``loss.backward()``
     (copying the averages back), the optimizer. ``simulate`` replays that backward
     with a bucket assignment and **one communication stream**: buckets in order,

@@ -17,7 +17,7 @@ Why
     bar starting while the backward bar is still running is the whole point of
     bucketing (the DDP paper's Fig. 7; the Ultra-Scale Playbook's DP chapter
     draws the same picture). What is not hidden is what a bigger or smaller
-    ``bucket_cap_mb`` can win back (``miniddp.costmodel`` predicts it).
+    ``bucket_cap_mb`` can win back (``miniddp.engine.costmodel`` predicts it).
 
 How torch differs
     ``torch.profiler`` records the same story at kernel level (look for

@@ -46,6 +46,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..process_group.desync import issued_as
+
 
 def _gradients(params_or_module) -> list[torch.Tensor]:
     """The ``.grad`` of each distinct parameter that has one, in registration order."""
@@ -145,6 +147,7 @@ def _exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group)
 
 # --8<-- [start:ring_all_reduce]
 @torch.no_grad()  # like dist.all_reduce: works on parameters too, outside autograd
+@issued_as("ring all-reduce")
 def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
     """SUM ``tensor`` over the group's ranks, in place, with a ring of ``isend``/``irecv``.
 

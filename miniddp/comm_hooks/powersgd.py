@@ -47,7 +47,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..comm_hooks import all_reduce, allreduce_hook
+from .byte_count import all_reduce
+from .default_hooks import allreduce_hook
 
 
 class PowerSGDState:

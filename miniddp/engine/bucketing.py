@@ -40,7 +40,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..comm_hooks import GradBucket
+from ..comm_hooks.grad_bucket import GradBucket
 
 MiB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25  # torch's bucket_cap_mb default

@@ -35,6 +35,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..process_group.desync import issued_as
+
 BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # torch's _DEFAULT_BROADCAST bucket at wrap
 
 
@@ -53,6 +55,7 @@ def _describe(module: torch.nn.Module, include_buffers: bool) -> dict[str, list[
 
 
 # --8<-- [start:verify]
+@issued_as("model check at wrap")
 def verify_same_model(module: torch.nn.Module, group=None, include_buffers: bool = True) -> None:
     """Raise on every rank if any rank's parameters (name, shape, dtype, requires_grad) or buffers
     differ from rank 0's, naming the first difference and every rank that has it."""
@@ -118,6 +121,7 @@ def _broadcast_flat(chunk, src, group) -> None:
 # --8<-- [end:coalesced]
 
 
+@issued_as("state broadcast")
 def sync_module_states(module: torch.nn.Module, group=None, include_buffers: bool = True, src: int = 0) -> None:
     """Make every rank's parameters (and buffers) equal to group rank ``src``'s (rank 0 at wrap)."""
     tensors = [p for p in module.parameters()]
@@ -128,6 +132,7 @@ def sync_module_states(module: torch.nn.Module, group=None, include_buffers: boo
 
 
 # --8<-- [start:broadcast_buffers]
+@issued_as("buffer broadcast")
 def broadcast_buffers(module: torch.nn.Module, group=None, src: int = 0) -> None:
     """Before each forward: every rank's buffers become rank ``src``'s (``broadcast_buffers=True``;
     ``src`` is rank 0, or under ``join()`` the highest rank still training)."""

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..process_group.desync import issued_as
 from .unused import UsedCounts
 
 WARN_AFTER_ROUNDS = 1000  # torch warns when joined ranks shadow this many iterations
@@ -74,6 +75,7 @@ class Round:
         return max(self.active)
 
 
+@issued_as("join round")
 def exchange_round(world_size: int, rank: int, device, group, *, active: bool, will_sync: bool,
                    rebuild: bool) -> Round:
     """One all-reduce of ``[active one-hot..., will_sync, rebuild]``: a joined rank sends zeros."""
@@ -150,6 +152,7 @@ class Join:
         self.sync_final_model()
         return False
 
+    @issued_as("join's zeros for each bucket")
     def shadow(self, plan: Round) -> None:
         """Issue what an active rank issues in one iteration, in the same order, with nothing to say."""
         self.ddp._sync_before_forward(rebuild=plan.rebuild, source=plan.source)  # rebuild + buffer broadcast

@@ -54,7 +54,9 @@ from torch.autograd.graph import get_gradient_edge
 
 from .bucketing import bucket_size_limits, build_buckets, compute_bucket_assignment, rebuilt_assignment
 from ..process_group.clean_exit import group_or_default
-from ..comm_hooks import allreduce_hook, hook_name, hook_result, issues_everything_in_call
+from ..process_group.desync import issued_as
+from ..comm_hooks.default_hooks import allreduce_hook, issues_everything_in_call
+from ..comm_hooks.grad_bucket import hook_name, hook_result
 from .no_sync import Accumulated, unprepared_backward_message
 from ..process_group.timeouts import naming_stalled_ranks
 from .unused import (NOTHING_UNUSED, UsedCounts, check_counts, find_tensors, gradient_twice_message,
@@ -239,7 +241,8 @@ class Reducer:
 
     def _call_hook(self, state: Backward, bucket) -> None:
         last = bucket.index == len(self.buckets) - 1
-        future = self.hook(self.hook_state, bucket.for_hook(is_last=last, pre_divided=not self.custom_hook))
+        with issued_as(f"bucket {bucket.index} all-reduce"):
+            future = self.hook(self.hook_state, bucket.for_hook(is_last=last, pre_divided=not self.custom_hook))
         if not isinstance(future, torch._C.Future):
             raise TypeError(f"comm hook {hook_name(self.hook)} returned {type(future).__name__} for bucket "
                             f"{bucket.index}: a hook returns a torch.futures.Future of the averaged bucket, e.g. "
@@ -297,6 +300,7 @@ class Reducer:
     # --8<-- [end:finalize]
 
     # --8<-- [start:rebuild]
+    @issued_as("bucket order broadcast")
     def rebuild(self) -> None:
         """Once, before the second synced forward: buckets in the order gradients arrived. With
         ``bucket_cap_mb="auto"`` the cap is chosen here first (collectives: every rank, a joined one too)."""

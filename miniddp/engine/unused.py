@@ -42,7 +42,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from ..comm_hooks import record
+from ..comm_hooks.byte_count import record
 
 
 class UnusedParameterError(RuntimeError):

@@ -28,6 +28,8 @@ How torch differs
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import linecache
 import os
 import pickle
@@ -41,13 +43,33 @@ import torch.distributed as dist
 from .timeouts import as_timedelta
 
 DEBUG_ENV, TIMEOUT_ENV = "MINIDDP_DEBUG", "MINIDDP_DEBUG_TIMEOUT"  # the switch; seconds to wait for a late rank
-_SKIP = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep)  # not user code
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # miniddp/, above process_group/
+_SKIP = (os.path.dirname(torch.__file__) + os.sep, _PACKAGE + os.sep)  # not user code
 _ABSENT = "\x00absent"  # compare_set(key, _ABSENT, _ABSENT) reads a key without waiting for it
-# miniddp functions that issue collectives -> what the message calls their collective
-_INTERNAL = {"_call_hook": "bucket {bucket} all-reduce", "rebuild": "bucket order broadcast",
-             "verify_same_model": "model check at wrap", "sync_module_states": "state broadcast",
-             "broadcast_buffers": "buffer broadcast", "exchange_round": "join round",
-             "shadow": "join's zeros for each bucket", "ring_all_reduce": "ring all-reduce"}
+_ISSUER: contextvars.ContextVar[str | None] = contextvars.ContextVar("miniddp_issuer", default=None)
+
+
+def issued_as(label: str):
+    """``with issued_as("bucket 3 all-reduce"):`` (or as a decorator): the collectives issued inside
+    are reported under ``label`` in a desync message. The innermost label wins. Costs a context
+    variable set when the detector is off."""
+    return _Issuer(label)
+
+
+class _Issuer(contextlib.ContextDecorator):
+    def __init__(self, label: str):
+        self.label, self.tokens = label, []
+
+    def _recreate_cm(self):  # as a decorator: a fresh one per call, so threads never share the token stack
+        return _Issuer(self.label)
+
+    def __enter__(self):
+        self.tokens.append(_ISSUER.set(self.label))
+        return self
+
+    def __exit__(self, *exc):
+        _ISSUER.reset(self.tokens.pop())
+        return False
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -93,13 +115,11 @@ def call_site() -> tuple[str, str, str]:
     """(issuer, ``"file.py:LINE"``, source text): the first frame outside torch and miniddp is
     the user's; a miniddp frame on the way names the issuer (the reducer's hooks run inside
     ``loss.backward()``, so a bucket's all-reduce is reported at the backward line)."""
-    frame, issuer, innermost = sys._getframe(1), None, None
+    frame, issuer, innermost = sys._getframe(1), _ISSUER.get(), None
     while frame is not None and frame.f_code.co_filename.startswith(_SKIP):
         name, ours = frame.f_code.co_name, frame.f_code.co_filename.startswith(_SKIP[1])
         if ours and not frame.f_code.co_filename.endswith("desync.py"):
             innermost = innermost or f"miniddp {name}"
-            if issuer is None and name in _INTERNAL:  # the reducer's next_bucket is the one it launches
-                issuer = _INTERNAL[name].format(bucket=getattr(frame.f_locals.get("self"), "next_bucket", "?"))
         frame = frame.f_back
     issuer = issuer or innermost or "user code"
     if frame is None:  # issued from C++ with no Python caller (e.g. on an autograd device thread)

@@ -1,0 +1,69 @@
+"""The comm hook contract: ``hook(state, bucket) -> Future[Tensor]`` and the bucket it receives.
+
+What
+    ``GradBucket`` has the methods of ``torch.distributed.GradBucket`` (``index()``,
+    ``buffer()``, ``gradients()``, ``parameters()``, ``is_last()``, ``set_buffer()``), so
+    torch's own hooks run unchanged. ``hook_result`` checks what a hook's future holds.
+
+Why
+    The hook is the one place to change what crosses the wire (compression, another
+    collective) without touching bucketing, overlap or ordering around it.
+
+How torch differs
+    torch's ``GradBucket`` is a C++ object (``torch/csrc/distributed/c10d/comm.hpp``) made by
+    ``reducer.cpp``; its checks of a hook's result are C++ ``TORCH_CHECK``s.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+# --8<-- [start:grad_bucket]
+class GradBucket:
+    """One bucket as a comm hook sees it: the methods of ``torch.distributed.GradBucket``."""
+
+    def __init__(self, index: int, buffer: torch.Tensor, gradients: list[torch.Tensor],
+                 parameters: list[torch.Tensor], is_last: bool, pre_divided: bool = False):
+        self._index = index  # position in reduction order
+        self._buffer = buffer  # the flat gradients, all of this bucket's parameters end to end
+        self._gradients = gradients  # views into the buffer, shaped like the parameters
+        self._parameters = parameters
+        self._is_last = is_last  # hooks with per-step state (PowerSGD) count steps on the last bucket
+        self.pre_divided = pre_divided  # miniddp only: already divided by the world size (the default path)
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._gradients
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._parameters
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer  # torch's fp16_compress_wrapper swaps in a float16 copy
+# --8<-- [end:grad_bucket]
+
+
+def hook_name(hook) -> str:
+    return getattr(hook, "__qualname__", repr(hook))
+
+
+def hook_result(hook, index: int, value, buffer: torch.Tensor) -> torch.Tensor:
+    """The tensor in a hook's completed future, checked against the bucket ``buffer`` it stands for."""
+    tensor = value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else value  # c10d futures hold lists
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"comm hook {hook_name(hook)}'s future for bucket {index} holds {type(value).__name__}; "
+                        "it must hold the averaged bucket as one tensor")
+    if tensor.numel() != buffer.numel() or not tensor.is_floating_point():
+        raise ValueError(f"comm hook {hook_name(hook)}'s future for bucket {index} holds a {tensor.dtype} tensor of "
+                         f"{tensor.numel()} elements; it must hold the averaged buffer(): {buffer.numel()} elements "
+                         f"of {buffer.dtype} (another floating dtype is cast back, as torch does)")
+    return tensor

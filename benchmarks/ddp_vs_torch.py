@@ -135,7 +135,8 @@ def main():
         print("|---|---|---|---|---|")
         for r in rows:
             q = r["ratio_to_baseline_quartiles"]
-            print(f"| {r['gradient_accumulation_steps']} | {r['baseline_ratio_to_torch']:.3f} | {r['median_ratio']:.3f} "
+            print(f"| {r['gradient_accumulation_steps']} | {r['baseline_ratio_to_torch']:.3f} "
+                  f"| {r['median_ratio']:.3f} "
                   f"| {r['median_ratio_to_baseline']:.3f} | {q[0]:.3f}-{q[2]:.3f} |")
     out = Path(__file__).parent / "results" / "ddp_vs_torch.json"
     out.write_text(json.dumps({"args": vars(args), "torch": torch.__version__, "rows": rows}, indent=2) + "\n")

@@ -96,7 +96,9 @@ def site_pages(site_dir: Path) -> list[str]:
 INIT_SCRIPT = """
 (() => {
   const attach = Element.prototype.attachShadow;
-  Element.prototype.attachShadow = function (init) { return attach.call(this, Object.assign({}, init, {mode: "open"})); };
+  Element.prototype.attachShadow = function (init) {
+    return attach.call(this, Object.assign({}, init, {mode: "open"}));
+  };
 })();
 """
 
@@ -120,7 +122,8 @@ MEASURE_JS = """
   const label = el => (el.textContent || "").trim().replace(/\\s+/g, " ").slice(0, 60);
   const out = {mermaid: [], code: [], copy: [], images: [], pageOverflow: 0};
 
-  document.querySelectorAll("pre.mermaid").forEach((el, i) => out.mermaid.push({index: i, rendered: false, label: label(el)}));
+  document.querySelectorAll("pre.mermaid").forEach(
+    (el, i) => out.mermaid.push({index: i, rendered: false, label: label(el)}));
   document.querySelectorAll("div.mermaid").forEach((host, i) => {
     const svg = host.shadowRoot && host.shadowRoot.querySelector("svg");
     if (!svg) { out.mermaid.push({index: i, rendered: false, label: label(host)}); return; }
@@ -147,7 +150,8 @@ MEASURE_JS = """
     for (let node = walker.nextNode(); node; node = walker.nextNode()) {
       if (!node.textContent.trim()) continue;
       range.selectNodeContents(node);
-      const hit = [...range.getClientRects()].find(r => r.width > 0 && r.left < b.right && r.right > b.left && r.top < b.bottom && r.bottom > b.top);
+      const hit = [...range.getClientRects()].find(
+        r => r.width > 0 && r.left < b.right && r.right > b.left && r.top < b.bottom && r.bottom > b.top);
       if (hit) { out.copy.push({index: i, label: label(code)}); break; }
       const last = range.getBoundingClientRect();
       if (last.top > b.bottom) break;
@@ -193,8 +197,10 @@ TABLES_JS = """
 ARROWS_JS = """
 () => {
   const parse = c => { const m = c.match(/rgba?\\(([^)]+)\\)/); if (!m) return null;
-                       const v = m[1].split(/[ ,\\/]+/).filter(Boolean).map(Number); return [v[0], v[1], v[2], v.length > 3 ? v[3] : 1]; };
-  const lum = ([r, g, b]) => { const f = x => { x /= 255; return x <= 0.03928 ? x / 12.92 : ((x + 0.055) / 1.055) ** 2.4; };
+                       const v = m[1].split(/[ ,\\/]+/).filter(Boolean).map(Number);
+                       return [v[0], v[1], v[2], v.length > 3 ? v[3] : 1]; };
+  const lum = ([r, g, b]) => {
+    const f = x => { x /= 255; return x <= 0.03928 ? x / 12.92 : ((x + 0.055) / 1.055) ** 2.4; };
                                return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(b); };
   const bg = parse(getComputedStyle(document.body).backgroundColor) || [255, 255, 255, 1];
   const over = c => [0, 1, 2].map(k => c[k] * c[3] + bg[k] * (1 - c[3]));
@@ -213,7 +219,8 @@ ARROWS_JS = """
     svg.querySelectorAll("[marker-end], [marker-start]").forEach(el => ["marker-end", "marker-start"].forEach(a => {
       const m = /url\\(#([^)]+)\\)/.exec(el.getAttribute(a) || ""); if (m) used.add(m[1]); }));
     svg.querySelectorAll("marker").forEach(m => { if (!used.has(m.id)) return;
-      m.querySelectorAll("path").forEach(p => consider(p, getComputedStyle(p).fill === "none" ? "stroke" : "fill", "#" + m.id)); });
+      m.querySelectorAll("path").forEach(
+        p => consider(p, getComputedStyle(p).fill === "none" ? "stroke" : "fill", "#" + m.id)); });
     svg.querySelectorAll(".messageLine0, .messageLine1").forEach(p => consider(p, "stroke", "message line"));
     out.arrows.push({index: i, kind: svg.getAttribute("aria-roledescription"), worst});
   });
@@ -361,7 +368,8 @@ def check_site(site_dir: Path, chromium: str, shots: Path, search_term: str = "S
                     report.add(path, f"at {PHONE['width']} px table {t['index']} is cut off "
                                      f"(right edge {t['right']} px: {t['header']!r})")
                 if result["tables"]:
-                    phone.screenshot(path=str(shots / ("phone__" + (path.strip("/").replace("/", "__") or "index") + ".png")),
+                    name = "phone__" + (path.strip("/").replace("/", "__") or "index") + ".png"
+                    phone.screenshot(path=str(shots / name),
                                      full_page=FULL_PAGE_SHOTS)
             context.close()
         finally:

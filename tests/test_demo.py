@@ -21,6 +21,8 @@ def test_torchrun_demo_matches_one_process_on_the_global_batch():
     two = _run(2, 32)
     one = _run(1, 64)
     assert "parameters identical on all 2 ranks: True" in two
-    losses = lambda out: [float(x) for x in re.findall(r"train loss ([0-9.]+)", out)]
+    def losses(out):
+        return [float(x) for x in re.findall(r"train loss ([0-9.]+)", out)]
+
     assert len(losses(two)) == 2 and losses(two)[1] < losses(two)[0]  # it learns
     assert losses(two) == pytest.approx(losses(one), rel=1e-4)  # 2 x 32 == 1 x 64

@@ -67,7 +67,8 @@ def test_references_in_prose_become_links_and_code_headings_links_stay_alone():
     assert "[arXiv 2006.15704](https://arxiv.org/abs/2006.15704)" in out
     assert ("[`torch/nn/parallel/distributed.py`](https://github.com/pytorch/pytorch/blob/v2.13.0/"
             "torch/nn/parallel/distributed.py)") in out
-    assert "[`reducer.cpp`](https://github.com/pytorch/pytorch/blob/v2.13.0/torch/csrc/distributed/c10d/reducer.cpp)" in out
+    reducer = "https://github.com/pytorch/pytorch/blob/v2.13.0/torch/csrc/distributed/c10d/reducer.cpp"
+    assert f"[`reducer.cpp`]({reducer})" in out
     assert "[pytorch/pytorch#149781](https://github.com/pytorch/pytorch/issues/149781)" in out
     assert ("[pytorch#33148](https://github.com/pytorch/pytorch/issues/33148), "
             "[#38174](https://github.com/pytorch/pytorch/issues/38174)") in out
@@ -101,7 +102,8 @@ def test_the_ddp_paper_and_torch_sources_are_linked_on_their_pages():
             assert "[arXiv 2006.15704](https://arxiv.org/abs/2006.15704)" in transformed(page), page
     assert ("(https://github.com/pytorch/pytorch/blob/v2.13.0/torch/csrc/distributed/c10d/reducer.cpp)"
             in transformed("bucketing.md"))
-    assert "(https://github.com/pytorch/pytorch/blob/v2.13.0/torch/utils/data/distributed.py)" in transformed("sharding.md")
+    sampler = "(https://github.com/pytorch/pytorch/blob/v2.13.0/torch/utils/data/distributed.py)"
+    assert sampler in transformed("sharding.md")
 
 
 def test_linked_torch_python_sources_exist_in_the_pinned_torch():
@@ -109,7 +111,8 @@ def test_linked_torch_python_sources_exist_in_the_pinned_torch():
     site = Path(torch.__file__).resolve().parents[1]
     linked = set()
     for page in PAGES:
-        linked |= set(re.findall(r"https://github\.com/pytorch/pytorch/(?:blob|tree)/v2\.13\.0/([^)\s\"]+)", transformed(page)))
+        source = r"https://github\.com/pytorch/pytorch/(?:blob|tree)/v2\.13\.0/([^)\s\"]+)"
+        linked |= set(re.findall(source, transformed(page)))
     linked |= set(links.BARE_FILES.values())
     assert linked
     for path in sorted(p for p in linked if not p.startswith("torch/csrc/")):

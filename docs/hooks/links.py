@@ -98,7 +98,8 @@ TORCH_DOCS = {
     "torch.distributed.get_world_size": _DIST + "get_world_size",
     "torch.distributed.GradBucket": DOCS + "ddp_comm_hooks.html#torch.distributed.GradBucket",
     "torch.distributed.algorithms.ddp_comm_hooks": DOCS + "ddp_comm_hooks.html",
-    "torch.distributed.algorithms.join.Join": DOCS + "distributed.algorithms.join.html#torch.distributed.algorithms.Join",
+    "torch.distributed.algorithms.join.Join":
+        DOCS + "distributed.algorithms.join.html#torch.distributed.algorithms.Join",
     "torch.distributed.algorithms.Join": DOCS + "distributed.algorithms.join.html#torch.distributed.algorithms.Join",
     "torch.distributed.run": DOCS + "elastic/run.html",
     "torch.autograd.grad": DOCS + "generated/torch.autograd.grad.html",
@@ -190,7 +191,8 @@ def _code_target(body: str) -> tuple[str, str] | None:
     """(kind, url) when the whole code span is a reference, else None."""
     body = body.strip()
     m = re.fullmatch(_PATH_RE, body)
-    if m and body.startswith("torch/") and (body.endswith("/") or "." in body.rsplit("/", 1)[-1] or body.count("/") >= 3):
+    looks_like_a_path = body.endswith("/") or "." in body.rsplit("/", 1)[-1] or body.count("/") >= 3
+    if m and body.startswith("torch/") and looks_like_a_path:
         return "source", _path_url(body)
     if body in BARE_FILES:
         return "source", _path_url(BARE_FILES[body])

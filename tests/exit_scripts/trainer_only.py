@@ -13,5 +13,5 @@ model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Li
 args = miniddp.TrainingConfig(output_dir=sys.argv[1], max_steps=5, per_device_train_batch_size=8, logging_steps=5,
                               ddp_timeout=60, disable_tqdm=True)
 trainer = miniddp.Trainer(model=model, args=args, train_dataset=data,
-                          compute_loss_func=lambda out, labels, num_items_in_batch: ((out - labels) ** 2).sum() / num_items_in_batch)
+                          compute_loss_func=lambda out, labels, n_items: ((out - labels) ** 2).sum() / n_items)
 trainer.train()

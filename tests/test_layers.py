@@ -1,0 +1,76 @@
+"""The house rules, as tests: the layers of docs/index.md hold, nothing imports in a cycle, and every
+module stays small enough to read in one sitting.
+
+import-linter (its contracts are in pyproject.toml, `.ci/run` runs it) is checked here against
+negative controls: a copy of the package with one import that runs the wrong way must break the
+contract that forbids it, so a contract that silently stopped checking would fail this file.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "miniddp"
+LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
+MAX_LINES = 250
+
+LAYERS = "Layers: each imports only the layers below it"
+NO_HARNESS = "The library never imports its test harness"
+NO_CYCLES = "No import cycles, at any depth"
+
+pytestmark = pytest.mark.skipif(not LINT_IMPORTS.exists(), reason="import-linter is not installed (the lint extra)")
+
+
+def _lint(tree: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(tree)}  # the copy's miniddp, ahead of the installed one
+    return subprocess.run([str(LINT_IMPORTS), "--no-cache"], cwd=tree, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def _broken(output: str) -> set[str]:
+    return {line[: -len(" BROKEN")] for line in output.splitlines() if line.endswith(" BROKEN")}
+
+
+def test_the_package_keeps_its_layers():
+    result = _lint(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert not _broken(result.stdout)
+
+
+@pytest.mark.parametrize("where, line, contract", [
+    ("engine/_probe.py", "from ..training import config", LAYERS),  # the engine reaching up to training
+    ("process_group/_probe.py", "from ..engine import bucketing", LAYERS),  # the ground floor reaching up
+    ("engine/_probe.py", "from ..diagnostics import trace", LAYERS),  # diagnostics attach as observers only
+    ("training/_probe.py", "from .. import testing", NO_HARNESS),  # the library importing its test harness
+    ("by_hand/_probe.py", "from ..comm_hooks import grad_bucket", LAYERS),  # two independent layers
+])
+def test_an_import_the_wrong_way_breaks_its_contract(tmp_path, where, line, contract):
+    shutil.copytree(PACKAGE, tmp_path / "miniddp", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    (tmp_path / "miniddp" / where).write_text(line + "\n")
+    result = _lint(tmp_path)
+    assert result.returncode != 0
+    assert contract in _broken(result.stdout), result.stdout
+
+
+def test_a_cycle_breaks_the_acyclic_contract(tmp_path):
+    shutil.copytree(PACKAGE, tmp_path / "miniddp", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    (tmp_path / "miniddp" / "engine" / "_one.py").write_text("from . import _two\n")
+    (tmp_path / "miniddp" / "engine" / "_two.py").write_text("from . import _one\n")
+    result = _lint(tmp_path)
+    assert NO_CYCLES in _broken(result.stdout), result.stdout
+
+
+def test_every_module_is_at_most_250_lines():
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text(encoding="utf-8").splitlines())
+             for p in PACKAGE.rglob("*.py")}
+    assert len(sizes) > 30
+    assert {path: n for path, n in sizes.items() if n > MAX_LINES} == {}

@@ -1,7 +1,8 @@
 """miniddp: DistributedDataParallel, rebuilt one small module at a time.
 
-Each concept of DDP is one module (see ``docs/index.md`` for the map); this file
-re-exports the public names so that ``import miniddp`` is all a user needs.
+Each concept of DDP is one module, in the folder of its layer (``docs/index.md``: the map
+and the layers); this file re-exports the public names so that ``import miniddp`` is all a
+user needs.
 """
 
 from .process_group.backend import DEVICE_BACKENDS, device_for_local_rank, select_backend

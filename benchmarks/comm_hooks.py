@@ -44,12 +44,12 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
 from miniddp import comm_hooks
-from miniddp.training.tasks import make_task
 from miniddp.testing import run_on_ranks
+from miniddp.training.tasks import make_task
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from timeline import gelu_mlp  # noqa: E402  (the workload of issue 11: 6x1024 GELU MLP, 22 MB of gradients)
+from timeline import gelu_mlp  # noqa: E402  (the timeline's workload: 6x1024 GELU MLP, 22 MB of gradients)
 
 START = 2  # start_powerSGD_iter (the smallest torch allows); the warm-up runs past it
 
@@ -172,7 +172,8 @@ def main():
     print("| hook | PowerSGD rank | eval loss | eval accuracy | bytes per step (mean over the run) |")
     print("|---|---|---|---|---|")
     for a in acc:
-        print(f"| {a['hook']} | {a['rank'] or '-'} | {a['eval_loss']:.4f} | {a['eval_accuracy']:.4f} | {a['bytes']:.0f} |")
+        print(f"| {a['hook']} | {a['rank'] or '-'} | {a['eval_loss']:.4f} | {a['eval_accuracy']:.4f} "
+              f"| {a['bytes']:.0f} |")
     plot(report, HERE.parent / "docs" / "img" / "comm-hooks.svg")
 
 
@@ -189,7 +190,8 @@ def plot(report: dict, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]})
     rows = report["speed"]
     names = [r["config"] for r in rows]
-    colours = ["#888888" if n.startswith("torch") else "#bbbbbb" if n == "no communication" else "#3f51b5" for n in names]
+    colours = ["#888888" if n.startswith("torch") else "#bbbbbb" if n == "no communication" else "#3f51b5"
+               for n in names]
     left.barh(names, [r["median_step_ms"] for r in rows], color=colours)
     for i, r in enumerate(rows):
         left.text(r["median_step_ms"], i, f" {r['ratio_vs_torch_fp32']:.2f}x", va="center", fontsize=8)

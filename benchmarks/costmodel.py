@@ -40,10 +40,11 @@ from pathlib import Path
 import torch
 
 import miniddp
-from miniddp.engine.costmodel import (StepProfile, fit_alpha_beta, measure_all_reduce, measure_overlap_cost, naive_step_time,
-                               predict_step_time, rebuilt_assignment)
-from miniddp.testing import run_on_ranks
 from miniddp.diagnostics.trace import Tracer, step_summary
+from miniddp.engine.alpha_beta import fit_alpha_beta, measure_all_reduce, measure_overlap_cost
+from miniddp.engine.costmodel import assignment_in_ready_order, naive_step_time, predict_step_time
+from miniddp.engine.step_profile import StepProfile
+from miniddp.testing import run_on_ranks
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -99,7 +100,7 @@ def analyse(results, caps, profile_cap):
         exposed = [min(s["exposed_comm_s"] for s in ranks) for ranks in per_step]  # vs the latest backward's end
         pred = predict_step_time(profile, ab, cap)
         shared = predict_step_time(profile, ab, cap, overlap_cost=cost)
-        naive = naive_step_time(profile, rebuilt_assignment(profile, cap), ab)
+        naive = naive_step_time(profile, assignment_in_ready_order(profile, cap), ab)
         rows.append({"bucket_cap_mb": cap, "buckets": len(pred.launch_s),
                      "buckets_ddp": len(results[0]["buckets"][cap]), "predicted_ms": pred.step_s * 1e3,
                      "shared_ms": shared.step_s * 1e3, "naive_ms": naive * 1e3,

@@ -29,7 +29,8 @@ def one_all_reduce(rank, world_size):
 
 def launch(method, world_size):
     start = time.perf_counter()
-    assert run_on_ranks(one_all_reduce, world_size, start_method=method, timeout=120) == [float(world_size)] * world_size
+    results = run_on_ranks(one_all_reduce, world_size, start_method=method, timeout=120)
+    assert results == [float(world_size)] * world_size
     return time.perf_counter() - start
 
 
@@ -45,8 +46,8 @@ def main():
         for method in samples:
             samples[method].append(launch(method, ws))
     rows.update(samples)
-    result = {"world_size": ws, "torch": torch.__version__, "median_s": {k: statistics.median(v) for k, v in rows.items()},
-              "samples_s": rows}
+    result = {"world_size": ws, "torch": torch.__version__,
+              "median_s": {k: statistics.median(v) for k, v in rows.items()}, "samples_s": rows}
     print(f"| start method ({ws} ranks) | median launch (s) |\n|---|---|")
     for name, value in result["median_s"].items():
         print(f"| {name} | {value:.2f} |")

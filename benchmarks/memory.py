@@ -126,8 +126,9 @@ def breakdown(model, optimizer, buckets=()) -> dict[str, int]:
 def measure(rank, world_size, impl: str, as_view: bool, optimizer: str = "adam", steps: int = 3,
             batch: int = 32, hidden: int = 1024, layers: int = 6) -> dict:
     """On each rank: build, wrap, train ``steps`` Adam steps; the breakdown after the last step."""
-    import miniddp
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    import miniddp
 
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(batch, 256, generator=g), torch.randint(0, 10, (batch,), generator=g)

@@ -35,15 +35,15 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
-from miniddp.testing import run_on_ranks
 from miniddp.diagnostics.trace import Tracer, plot_timeline, save_chrome_trace, step_summary
+from miniddp.testing import run_on_ranks
 
 HERE = Path(__file__).parent
 
 
 def gelu_mlp(hidden: int = 1024, layers: int = 6, inputs: int = 256, classes: int = 10) -> torch.nn.Module:
     """``layers`` hidden layers of width ``hidden`` with GELU: 5.5 M parameters (22 MB of fp32
-    gradients) with the defaults, the workload of issue 11's measurements."""
+    gradients) with the defaults: the workload of the timeline and the cost-model measurements."""
     blocks = [torch.nn.Linear(inputs, hidden), torch.nn.GELU()]
     for _ in range(layers - 1):
         blocks += [torch.nn.Linear(hidden, hidden), torch.nn.GELU()]

@@ -1,70 +1,44 @@
 """Run a function on N ranks: the harness behind every test and notebook.
 
 What
-    ``run_on_ranks(fn, world_size, args=(...), kwargs={...})`` starts
-    ``world_size`` processes, joins them into one process group, calls
-    ``fn(rank, world_size, *args, **kwargs)`` in each, and returns the list of
-    their return values, in rank order. If a rank raises, the parent raises
-    ``RankError`` carrying that rank's number, its traceback and (as
-    ``__cause__``) the original exception; if a rank hangs, it is killed at
-    ``timeout`` and the parent raises ``RankTimeout`` naming it. The harness's own
-    options are keyword-only, so a misspelt one is a ``TypeError`` and ``fn`` may
-    take any keyword, ``timeout`` included, through ``kwargs=``.
+    ``run_on_ranks(fn, world_size, args=(...), kwargs={...})`` starts ``world_size`` processes,
+    joins them into one process group, calls ``fn(rank, world_size, *args, **kwargs)`` in each
+    (``miniddp.rank_process.run_rank``) and returns their return values in rank order. A rank
+    that raises makes the parent raise ``RankError`` (its rank, its traceback, and as
+    ``__cause__`` the original exception); a rank that hangs is killed at ``timeout`` and the
+    parent raises ``RankTimeout`` naming it. The harness's own options are keyword-only: a
+    misspelt one is a ``TypeError``, and ``fn`` may take any keyword through ``kwargs=``.
 
 Why
-    Distributed bugs live *between* processes, so the tests must run real
-    processes, and fail like ordinary tests: quickly, with the right traceback,
-    never hanging CI, never fighting over a port under pytest-xdist, and never
-    leaving a process behind (DataLoader workers of a killed rank, or ranks of a
-    SIGKILLed pytest worker, would hold cores and ports for every later test).
-
-How
-    * Rendezvous: the parent opens a ``TCPStore`` on port 0 (the OS picks a free
-      port) and the ranks join it as clients, as torchrun's workers join its agent's.
-    * Start method (measured in ``benchmarks/launch_cost.py``): ``forkserver``, the
-      default, forks each rank from a clean server that has already imported
-      torch: fork's speed (~0.06 s against spawn's ~1.6 s) without inheriting the
-      parent's threads and locks. Notebooks use ``start_method="fork"``: their
-      functions cannot be pickled by name. The store is opened only after the
-      last fork, so no child inherits a lock held by the store's thread.
-    * Each rank sets ``torch.set_num_threads(1)``: N ranks on 2 cores must not
-      each start a full thread pool.
-    * No orphans. Each rank leads its own process group, which everything it
-      starts joins, so one ``os.killpg`` ends a rank *and its descendants*: the
-      parent does it at the timeout, after a failure's grace and in its
-      ``finally``. A parent that is SIGKILLed runs no ``finally``: each rank's
-      watchdog thread then reads end-of-file on a "lifeline" pipe whose write end
-      only the parent held, and kills its own group. (``PR_SET_PDEATHSIG`` is not
-      enough: under forkserver a rank's parent is the server, and it kills the
-      rank alone, not its DataLoader workers.)
+    Distributed bugs live *between* processes, so the tests run real processes that fail like
+    ordinary tests: quickly, with the right traceback, never hanging CI, never fighting over a
+    port under pytest-xdist (the parent's ``TCPStore`` listens on port 0), never leaving a
+    process behind. Ranks fork from a ``forkserver`` that has imported torch once: fork's speed
+    without the parent's threads and locks (``docs/testing.md`` has the measurements); notebooks
+    pass ``start_method="fork"``, as their functions cannot be pickled by name.
 
 How torch differs
-    torch's own tests (``torch/testing/_internal/common_distributed.py``,
-    ``MultiProcessTestCase``) use a FileStore per test, pipe each child's
-    traceback to the parent and skip with an exit code when there are too few
-    GPUs; this is the same idea in ~250 lines.
+    torch's own tests (``torch/testing/_internal/common_distributed.py``, ``MultiProcessTestCase``)
+    use a FileStore per test, pipe each child's traceback to the parent and skip with an exit
+    code when there are too few GPUs; this is the same idea as one function call.
 """
 
 from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
-import os
 import pickle
-import signal
-import threading
 import time
-import traceback
 from multiprocessing.connection import wait
 
 import torch
 import torch.distributed as dist
 
-from .process_group.clean_exit import destroy_process_group
+from .rank_process import kill_group, run_rank
 
 DEFAULT_TIMEOUT_S = 120.0  # a whole multi-rank call; tests pass smaller ones
 # What the forkserver imports once. torch._dynamo is imported lazily by torch DDP's first
-# construction (1.5 s here): preloading it keeps every oracle test fast.
+# construction, at a cost of seconds per fresh process: preloading it keeps every oracle test fast.
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "miniddp"]
 
 
@@ -98,69 +72,9 @@ def backend_params(world_size: int):
     reason = f"nccl needs {world_size} CUDA device(s); torch.cuda.device_count()={torch.cuda.device_count()}"
     return [
         pytest.param("gloo", id="gloo"),
-        pytest.param(
-            "nccl", id="nccl", marks=[pytest.mark.nccl, pytest.mark.skipif(not nccl_available(world_size), reason=reason)]
-        ),
+        pytest.param("nccl", id="nccl",
+                     marks=[pytest.mark.nccl, pytest.mark.skipif(not nccl_available(world_size), reason=reason)]),
     ]
-
-
-# --8<-- [start:lifeline]
-def _watch_lifeline(lifeline, inherited) -> None:
-    """Lead a process group (all this rank will start joins it) that dies with the parent."""
-    os.setpgid(0, 0)  # first, before fn can start anything: group id = this rank's pid
-    if inherited is not None:  # fork copied the parent's write end into this rank: drop it,
-        inherited.close()  # or the lifeline could never break while this rank lives
-
-    def watch():
-        lifeline.poll(None)  # the parent never writes: readable only at end-of-file, once it is gone
-        os.killpg(0, signal.SIGKILL)  # this rank and everything it started
-
-    threading.Thread(target=watch, name="lifeline", daemon=True).start()
-
-
-def _kill_group(p) -> None:
-    """SIGKILL a rank's process group (the rank and its descendants), then the rank itself."""
-    try:
-        os.killpg(p.pid, signal.SIGKILL)  # no such group if the rank never reached setpgid
-    except (ProcessLookupError, PermissionError):
-        pass
-    p.kill()  # a rank killed before its setpgid had started nothing yet
-# --8<-- [end:lifeline]
-
-
-# --8<-- [start:worker]
-def _worker(rank, world_size, fn, args, kwargs, conn, lifeline, inherited, host, backend, init, pg_timeout):
-    """Body of each rank's process: join, run ``fn``, send back a result or a traceback."""
-    _watch_lifeline(lifeline, inherited)
-    torch.set_num_threads(1)  # N ranks share a few cores; no oversubscription
-    port = conn.recv()  # the store's port, sent once every rank has been started (see run_on_ranks)
-    os.environ.update(  # torchrun's variables, so code under test can read them
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR=host,
-        MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0",
-    )
-    try:
-        if init:
-            if backend == "nccl":
-                torch.cuda.set_device(rank)
-            store = dist.TCPStore(host, port, world_size, is_master=False, timeout=pg_timeout)
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout)
-        result = fn(rank, world_size, *args, **kwargs)
-        # plain pickle copies tensors into the message; multiprocessing's own pickler would
-        # share their memory through a file descriptor that dies with this process
-        conn.send_bytes(pickle.dumps(("ok", rank, result)))
-    except BaseException as exc:  # report everything, including KeyboardInterrupt
-        try:
-            payload = pickle.dumps(exc)
-        except Exception:  # an exception that cannot travel: send its text only
-            payload = None
-        conn.send_bytes(pickle.dumps(("error", rank, (type(exc).__name__, traceback.format_exc(), payload))))
-    finally:
-        # the group, ours or one fn made (the notebook launcher's): bounded, so a rank whose peer failed
-        # mid-collective does not wait for it; no garbage collection: the rank ends with os._exit
-        destroy_process_group(collect=False)
-        conn.close()
-# --8<-- [end:worker]
 
 
 def _context(start_method: str):
@@ -201,7 +115,7 @@ def run_on_ranks(fn, world_size: int, *, args=(), kwargs=None, backend: str = "g
     try:
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe()
-            p = ctx.Process(target=_worker, name=f"rank{rank}", args=(
+            p = ctx.Process(target=run_rank, name=f"rank{rank}", args=(
                 rank, world_size, fn, tuple(args), kwargs or {}, child_end, lifeline, inherited,
                 "127.0.0.1", backend, init, pg_timeout))
             p.start()
@@ -246,7 +160,7 @@ def run_on_ranks(fn, world_size: int, *, args=(), kwargs=None, backend: str = "g
         stop = time.monotonic() + (5 if finished else 0.5)  # time to exit on their own
         for p in procs:  # no orphans, whatever happened: each rank's whole group goes
             p.join(timeout=max(0.0, stop - time.monotonic()))
-            _kill_group(p)  # also what a finished rank left running
+            kill_group(p)  # also what a finished rank left running
             p.join()
         for conn in [*conns, lifeline, lifeline_w]:
             conn.close()

@@ -8,13 +8,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import miniddp
+from miniddp.diagnostics.trace import Tracer, step_summary
+from miniddp.engine.alpha_beta import AlphaBeta, fit_alpha_beta, measure_all_reduce, measure_overlap_cost
 from miniddp.engine.auto_bucket import CANDIDATE_CAPS, choose_bucket_cap_mb, profile_from_ready
 from miniddp.engine.bucketing import MiB, bucket_size_limits
-from miniddp.engine.costmodel import (AlphaBeta, StepProfile, best_bucket_cap_mb, fit_alpha_beta, measure_all_reduce,
-                               measure_overlap_cost, naive_step_time, predict_step_time, rebuilt_assignment,
-                               simulate)
+from miniddp.engine.costmodel import (
+    assignment_in_ready_order,
+    best_bucket_cap_mb,
+    naive_step_time,
+    predict_step_time,
+    simulate,
+)
+from miniddp.engine.step_profile import StepProfile
 from miniddp.testing import run_on_ranks
-from miniddp.diagnostics.trace import Tracer, step_summary
 
 
 def profile(ready, nbytes, forward=0.0, optimizer=0.0, tail=0.0, compute_end=0.0) -> StepProfile:
@@ -125,7 +131,7 @@ def test_full_overlap_cost_is_the_closed_form():
                 forward=0.002, tail=0.001)
     ab = AlphaBeta(2e-4, 1e-9)
     for cap in (0.5, 1, 2, 4, 25):
-        assignment = rebuilt_assignment(p, cap)
+        assignment = assignment_in_ready_order(p, cap)
         got = predict_step_time(p, ab, cap, overlap_cost=1).step_s
         assert got == pytest.approx(naive_step_time(p, assignment, ab))
 
@@ -134,7 +140,7 @@ def test_naive_is_never_faster_than_the_simulation():
     p = profile(ready=[0.004, 0.001, 0.003, 0.002], nbytes=[MiB] * 4, forward=0.002)
     ab = AlphaBeta(2e-4, 1e-9)
     for cap in (0.5, 1, 2, 4, 25):
-        assignment = rebuilt_assignment(p, cap)
+        assignment = assignment_in_ready_order(p, cap)
         assert simulate(p, assignment, ab).step_s <= naive_step_time(p, assignment, ab) + 1e-12
 # --8<-- [end:simulate]
 
@@ -157,8 +163,8 @@ def test_best_bucket_cap_is_the_hand_computed_one():
 
 def test_buckets_are_filled_in_arrival_order_as_after_the_rebuild():
     p = profile(ready=[3, 1, 2, 0], nbytes=[MiB] * 4)  # parameter 3 arrives first, then 1, 2, 0
-    assert rebuilt_assignment(p, 2) == [[3, 1], [2, 0]]
-    assert rebuilt_assignment(p, None) == [[3], [1, 2, 0]]  # torch's 1 MiB first bucket, then 25 MiB
+    assert assignment_in_ready_order(p, 2) == [[3, 1], [2, 0]]
+    assert assignment_in_ready_order(p, None) == [[3], [1, 2, 0]]  # torch's 1 MiB first bucket, then 25 MiB
 # --8<-- [end:best]
 
 
@@ -206,7 +212,7 @@ def test_a_profile_read_from_a_real_trace_adds_up_and_predicts_ddps_own_buckets(
             e["t"] for e in events if e["name"] == "backward start")
         assert max(p.backward_s, finish) + p.tail_s == pytest.approx(measured_backward)  # nothing left out
         assert p.ready_s.index(min(p.ready_s)) == len(names) - 1  # the head's bias is ready first
-        predicted = [[names[i] for i in bucket] for bucket in rebuilt_assignment(p, cap)]
+        predicted = [[names[i] for i in bucket] for bucket in assignment_in_ready_order(p, cap)]
         assert predicted == assignment  # the model simulates the buckets DDP really built
     merged = StepProfile.slowest(profiles)
     assert merged.backward_s >= min(p.backward_s for p in profiles)
@@ -245,8 +251,8 @@ def test_auto_other_strings_are_refused_naming_bucket_cap_mb(bad):
 
 
 def test_auto_is_a_config_value_and_a_cli_word():
-    from miniddp.training.config import TrainingConfig, field_help
     from miniddp.training.cli import parse_config
+    from miniddp.training.config import TrainingConfig, field_help
     assert TrainingConfig(ddp_bucket_cap_mb="auto").ddp_bucket_cap_mb == "auto"
     assert parse_config(["--ddp_bucket_cap_mb", "auto"]).ddp_bucket_cap_mb == "auto"
     assert parse_config(["--ddp_bucket_cap_mb", "4"]).ddp_bucket_cap_mb == 4.0

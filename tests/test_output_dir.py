@@ -1,6 +1,6 @@
 """output_dir belongs to one run; nothing on disk is lost; divergence stops the run.
 
-Each test reproduces a failure found by running the CLI as a new user would (issue 10):
+Each test reproduces a failure found by running the CLI as a new user would:
 two runs into one directory, another run's results reused, an unusable directory found
 only after training, a full disk destroying the previous final model, NaN reported as
 success with invalid JSON, debris of interrupted saves never cleaned.

@@ -40,7 +40,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from .costmodel import AlphaBeta, StepProfile, best_bucket_cap_mb, fit_alpha_beta, measure_all_reduce
+from .alpha_beta import AlphaBeta, fit_alpha_beta, measure_all_reduce
+from .costmodel import best_bucket_cap_mb
+from .step_profile import StepProfile
 
 CANDIDATE_CAPS = (0.25, 0.5, 1, 2, 4, 8, 16, 25, 50, 100)  # MiB; the first wins a tie
 SWEEP_BYTES = (2**12, 2**16, 2**20, 2**22, 2**24)  # the all-reduce sizes the fit sees: 4 KiB .. 16 MiB

@@ -20,18 +20,19 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from models import MODELS
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.data import TensorDataset
 
 import miniddp
 from miniddp import Trainer, TrainingConfig
+from miniddp.testing import run_on_ranks
 from miniddp.training.accelerate_config import LaunchError, ignored_settings, read_config
-from miniddp.training.checkpoint import MANIFEST, checkpoints
-from miniddp.training.launch import main as launch_main, script_env, torchrun_args
+from miniddp.training.launch import main as launch_main
 from miniddp.training.output_dir import LOCK, OutputDirError, claim_output_dir
 from miniddp.training.tasks import make_task
-from miniddp.testing import run_on_ranks
-from models import MODELS
+from miniddp.training.timeline import MANIFEST, checkpoints
+from miniddp.training.torchrun_args import script_env, torchrun_args
 
 BIN = Path(sys.executable).parent
 SMALL = dict(dataset_size=64, eval_size=0, per_device_train_batch_size=8, disable_tqdm=True, logging_steps=1)

@@ -1,12 +1,13 @@
 """TrainingConfig: Hugging Face's names, validation that names the field, the effective batch."""
 
+import dataclasses
 import math
 
 import pytest
 
 from miniddp import TrainingConfig
-from miniddp.training.config import choices, field_help
 from miniddp.training.cli import build_parser, parse_config
+from miniddp.training.config import choices, field_help
 
 
 def test_defaults_match_hugging_face_where_it_matters():
@@ -49,6 +50,14 @@ def test_gradient_checkpointing_alone_is_fine():
 def test_every_field_is_a_cli_flag():
     flags = {a.dest for a in build_parser()._actions}
     assert set(TrainingConfig.field_names()) <= flags
+
+
+def test_every_field_has_its_help_in_its_metadata():
+    # as TrainingArguments: field(default=..., metadata={"help": ...}); --help reads it, not the source
+    for f in dataclasses.fields(TrainingConfig):
+        text = f.metadata.get("help")
+        assert isinstance(text, str) and text.strip(), f"{f.name} has no metadata['help']"
+        assert field_help()[f.name] == text
 
 
 def test_help_describes_every_flag_with_its_choices_and_shows_torchrun():

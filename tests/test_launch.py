@@ -15,7 +15,9 @@ import yaml
 
 from miniddp import TrainingConfig
 from miniddp.notebook import notebook_launcher
-from miniddp.training.launch import main, read_config, split_argv, torchrun_args, train_flags
+from miniddp.training.accelerate_config import read_config
+from miniddp.training.launch import main, split_argv
+from miniddp.training.torchrun_args import torchrun_args, train_flags
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "docs" / "examples"
 MINIDDP = Path(sys.executable).parent / "miniddp"  # the installed console script, beside this python

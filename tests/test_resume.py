@@ -20,10 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from miniddp import Trainer, TrainingConfig
-from miniddp.training.checkpoint import checkpoints
+from miniddp.testing import run_on_ranks
 from miniddp.training.resume import SetupChangedError
 from miniddp.training.tasks import make_task
-from miniddp.testing import run_on_ranks
+from miniddp.training.timeline import checkpoints
 
 # 2 ranks x 8 per device over 200 samples: 13 batches per rank, windows of 3 -> [3, 3, 3, 3, 1]
 # (a short last window), 5 optimizer steps per epoch; 12 steps cross two epoch boundaries.

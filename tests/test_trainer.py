@@ -11,9 +11,10 @@ import torch
 from torch.utils.data import TensorDataset
 
 from miniddp import Trainer, TrainingConfig
-from miniddp.training.checkpoint import CHECKPOINT_ERRORS, CorruptCheckpointError, checkpoints
-from miniddp.training.tasks import make_task
 from miniddp.testing import RankError, run_on_ranks
+from miniddp.training.checkpoint import CHECKPOINT_ERRORS, CorruptCheckpointError
+from miniddp.training.tasks import make_task
+from miniddp.training.timeline import checkpoints
 
 
 def _train(rank, world_size, overrides, double=True):

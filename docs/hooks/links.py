@@ -157,11 +157,13 @@ API_OF = {
                      "miniddp.diagnostics.trace"],
     "join.md": ["miniddp.engine.join"],
     "desync.md": ["miniddp.process_group.desync"],
-    "trainer.md": ["miniddp.training.config", "miniddp.training.trainer", "miniddp.training.checkpoint",
-                   "miniddp.training.resume", "miniddp.training.output_dir", "miniddp.training.nonfinite",
-                   "miniddp.training.cli", "miniddp.training.tasks", "miniddp.training.batches"],
+    "trainer.md": ["miniddp.training.config", "miniddp.training.trainer", "miniddp.training.prepare",
+                   "miniddp.training.reporting", "miniddp.training.trainer_checkpoint", "miniddp.training.checkpoint",
+                   "miniddp.training.timeline", "miniddp.training.every_rank", "miniddp.training.resume",
+                   "miniddp.training.output_dir", "miniddp.training.nonfinite", "miniddp.training.cli",
+                   "miniddp.training.tasks", "miniddp.training.batches"],
     "your-script.md": ["miniddp.training.trainer", "miniddp.training.batches"],
-    "launching.md": ["miniddp.training.launch", "miniddp.notebook"],
+    "launching.md": ["miniddp.training.launch", "miniddp.training.torchrun_args", "miniddp.notebook"],
     "testing.md": ["miniddp.testing"],
 }
 

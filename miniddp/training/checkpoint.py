@@ -1,28 +1,26 @@
-"""Checkpoints: atomic, verified, and exact to resume from.
+"""One checkpoint's file format: written atomically, verified by its manifest, loaded without pickles.
 
 What
-    ``save_checkpoint`` writes ``output_dir/checkpoint-<step>/`` with the model,
-    optimizer, scheduler (and grad scaler) state from rank 0, each rank's own
-    ``rank_<rank>.pt`` (its RNG streams and the loss it has not yet reported),
-    the trainer's position in the data, and last a ``manifest.json`` of
-    every file's size and SHA-256. It writes into a temporary directory and
-    renames it into place, so a crash mid-save leaves the previous checkpoint
-    intact and never a half-written one under the real name. ``load_checkpoint``
-    refuses a checkpoint whose manifest is missing or does not match, and loads
-    every file with ``torch.load(weights_only=True)`` (no arbitrary pickles);
-    ``load_checkpoint_on_every_rank`` makes one rank's failure every rank's error.
+    ``save_checkpoint`` writes ``checkpoint-<step>/``: rank 0's files (model, optimizer, scheduler,
+    grad scaler, trainer state), each rank's own ``rank_<rank>.pt`` (its RNG streams and the loss
+    it has not yet reported), and last a ``manifest.json`` of every file's size and SHA-256. It
+    writes into a temporary directory and renames it into place, so a crash mid-save leaves no
+    half-written checkpoint under the real name. ``load_checkpoint`` refuses a checkpoint whose
+    manifest is missing or does not match, and loads with ``torch.load(weights_only=True)``;
+    ``load_checkpoint_on_every_rank`` makes one rank's failure every rank's error. Which
+    checkpoints exist, and which to keep, is ``timeline.py``'s.
 
 Why
-    Long jobs die: preemption, a node failure, a timeout. Resuming must give the
-    run you would have had without the interruption — same parameters, bit for
-    bit on CPU — which needs more than the weights: optimizer moments, the LR
-    schedule's step, every RNG, and where in the epoch's shuffled order we were.
+    Long jobs die: preemption, a node failure, a timeout. Resuming must give the run you would
+    have had without the interruption, bit for bit on CPU, which needs more than the weights:
+    optimizer moments, the LR schedule's step, every RNG, and the position in the epoch. A
+    checkpoint that is only partly written, or edited since, must be refused, not half-loaded.
 
 How Hugging Face differs
-    ``Trainer._save_checkpoint`` writes the same pieces (``optimizer.pt``,
-    ``scheduler.pt``, ``rng_state_<rank>.pth``, ``trainer_state.json``) and
-    rotates by ``save_total_limit``; recent versions also stage into a temporary
-    directory. It skips already-seen batches on resume the same way we do.
+    ``Trainer._save_checkpoint`` writes the same pieces (``optimizer.pt``, ``scheduler.pt``,
+    ``rng_state_<rank>.pth``, ``trainer_state.json``); recent versions also stage into a
+    temporary directory. It writes no manifest: a truncated file is found when ``torch.load``
+    fails, if at all.
 """
 
 from __future__ import annotations
@@ -30,19 +28,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from .every_rank import on_every_rank
 from .output_dir import OutputDirError, atomic_save, atomic_write_text
 from .resume import rng_state
-from ..process_group.timeouts import naming_stalled_ranks
-
-MANIFEST = "manifest.json"  # written last: its presence marks a complete checkpoint
+from .timeline import MANIFEST, checkpoint_dir, checkpoints, checkpoints_before, rotate_checkpoints
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -64,23 +58,12 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def step_of(path: Path) -> int:
-    m = re.fullmatch(r"checkpoint-(\d+)", Path(path).name)
-    return int(m.group(1)) if m else -1
-
-
-def checkpoints(output_dir) -> list[Path]:
-    """Complete checkpoints in ``output_dir``, oldest first."""
-    found = [p for p in Path(output_dir).glob("checkpoint-*") if step_of(p) >= 0 and (p / MANIFEST).exists()]
-    return sorted(found, key=step_of)
-
-
 # --8<-- [start:save]
 def save_checkpoint(output_dir, step: int, states: dict, rank: int, save_total_limit=None, rank_state=None) -> Path:
     """Every rank calls this. ``states``: name -> object for rank 0's files (model, optimizer...);
     ``rank_state``: this rank's own (saved with its RNG streams in ``rank_<rank>.pt``)."""
-    output_dir = Path(output_dir)
-    final, tmp = output_dir / f"checkpoint-{step}", output_dir / f".checkpoint-{step}.tmp"
+    final = checkpoint_dir(output_dir, step)
+    tmp = final.with_name(f".{final.name}.tmp")
 
     def begin():
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a crashed save
@@ -99,9 +82,7 @@ def save_checkpoint(output_dir, step: int, states: dict, rank: int, save_total_l
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)  # atomic on one filesystem: the checkpoint appears whole or not at all
-        if save_total_limit:
-            for old in checkpoints(output_dir)[:-save_total_limit]:
-                shutil.rmtree(old)
+        rotate_checkpoints(output_dir, save_total_limit)  # the timeline keeps the newest save_total_limit
 
     try:
         on_every_rank(begin if rank == 0 else None, f"barrier before writing checkpoint-{step}")
@@ -113,52 +94,6 @@ def save_checkpoint(output_dir, step: int, states: dict, rank: int, save_total_l
         raise
     return final
 # --8<-- [end:save]
-
-
-# --8<-- [start:set_aside]
-def set_aside_later_results(output_dir, resumed) -> Path | None:
-    """Rank 0, resuming ``resumed`` inside ``output_dir``: the checkpoints saved after it, and the final model
-    and metrics, belong to the timeline that went on from it. Move them into ``superseded/`` (nothing is
-    deleted), so that rotation, ``latest`` and "the last checkpoint" see this run's timeline only."""
-    out, resumed = Path(output_dir).resolve(), Path(resumed).resolve()
-    if resumed.parent != out:
-        return None  # resumed from elsewhere: this output_dir has no other timeline
-    later = [p for p in checkpoints(out) if step_of(p) > step_of(resumed)]
-    results = [out / name for name in ("final_model.pt", "metrics.json") if (out / name).exists()]
-    if not later and not results:
-        return None
-    aside = out / "superseded" / f"after-{resumed.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    for n in range(2, 1000):  # two resumes within a second: a folder each
-        if not aside.exists():
-            break
-        aside = aside.with_name(f"{aside.name.rsplit('.', 1)[0]}.{n}")
-    aside.mkdir(parents=True)
-    for p in later + results:
-        os.replace(p, aside / p.name)
-    return aside
-# --8<-- [end:set_aside]
-
-
-# --8<-- [start:on_every_rank]
-def on_every_rank(fn, what: str, errors=(OutputDirError, OSError)):
-    """Run ``fn`` (or nothing, if None) on this rank; if it raised ``errors`` on any rank, raise the first
-    such rank's error on every rank. It is also a barrier whose timeout names the rank still working
-    (a slow disk) instead of "Timed out". Without it, a full disk on rank 0 is a hang on the others."""
-    try:
-        result, problem = (fn() if fn is not None else None), None
-    except errors as err:
-        result, problem = None, err
-    problems = [None] * dist.get_world_size()
-    with naming_stalled_ranks(what):
-        dist.all_gather_object(problems, None if problem is None else (type(problem), str(problem)))
-    first = next((r for r, p in enumerate(problems) if p is not None), None)
-    if first is None:
-        return result
-    if first == dist.get_rank():
-        raise problem
-    kind, message = problems[first]
-    raise kind(f"rank {first}: {message}")  # the same type: callers catch it by type
-# --8<-- [end:on_every_rank]
 
 
 # --8<-- [start:load]
@@ -252,7 +187,7 @@ def load_checkpoint_on_every_rank(path, rank: int, latest: bool = False) -> dict
 
 
 def _newest_intact_before(path: Path) -> Path | None:
-    for older in reversed([p for p in checkpoints(path.parent) if step_of(p) < step_of(path)]):
+    for older in checkpoints_before(path):
         try:
             verify_checkpoint(older)
             return older

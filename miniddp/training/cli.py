@@ -1,25 +1,29 @@
 """The training CLI: ``torchrun --nproc-per-node N -m miniddp.train --output_dir DIR [flags]``.
 
-    # 2 processes on this machine's CPU (gloo), the built-in classification task
-    torchrun --standalone --nproc-per-node 2 -m miniddp.train --output_dir out
-    # same effective batch (32) as 1 process x 32, or 2 x 4 x accumulation 4
-    torchrun --standalone --nproc-per-node 2 -m miniddp.train --output_dir out \
-        --per_device_train_batch_size 4 --gradient_accumulation_steps 4
-    # two machines: run on each, with its own --node-rank
-    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr 10.0.0.1 \
-        --master-port 29500 -m miniddp.train --output_dir out --ddp_backend nccl
-    # also installed as a console script
-    miniddp-train --output_dir out      # one process, no launcher needed
+What
+    The flags are the ``TrainingConfig`` fields, with Hugging Face's names; ``--help`` describes
+    each from the field's ``metadata["help"]`` in ``config.py``. It trains a built-in task
+    (``tasks.py``) and writes ``DIR/metrics.json``, ``DIR/final_model.pt`` and
+    ``DIR/checkpoint-<step>/``. Exit status: 0 done; 2 a bad flag or value (before any process
+    group exists); 3 the job could not start (a backend this machine cannot run, a bad
+    ``--resume_from_checkpoint``...); 4 training diverged; 5 a peer was lost. For instance:
 
-Flags are the ``TrainingConfig`` fields, with Hugging Face's names; ``--help``
-describes each (from the field's comment in ``config.py``). Writes
-``DIR/metrics.json``, ``DIR/final_model.pt`` and ``DIR/checkpoint-<step>/``.
+        torchrun --standalone --nproc-per-node 2 -m miniddp.train --output_dir out   # 2 CPU processes
+        torchrun --standalone --nproc-per-node 2 -m miniddp.train --output_dir out \\
+            --per_device_train_batch_size 4 --gradient_accumulation_steps 4   # effective batch 32
+        torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr 10.0.0.1 \\
+            --master-port 29500 -m miniddp.train --output_dir out --ddp_backend nccl   # each machine
+        miniddp-train --output_dir out      # the console script: one process, no launcher needed
 
-Exit status: 0 done; 2 a bad flag or value (before any process group exists);
-3 the job could not start (a backend this machine cannot run, a bad
-``--resume_from_checkpoint``...). Errors print one line, once, from rank 0, and
-go into torchrun's error file, so its failure summary shows the same line
-(torchrun itself then exits 1).
+Why
+    One command that runs anywhere with no download, to try every flag of the page. An error is
+    one line, printed once by rank 0, and also written to torchrun's error file, so torchrun's
+    failure summary shows the same line (torchrun itself then exits 1).
+
+How Hugging Face differs
+    Transformers' example scripts build their flags from ``TrainingArguments`` with
+    ``HfArgumentParser``, from the same dataclass fields and ``metadata["help"]``. Here a misspelt
+    flag gets a suggestion, flags are never abbreviated, and each kind of failure has its exit status.
 """
 
 from __future__ import annotations
@@ -135,12 +139,12 @@ def main(argv=None) -> dict:
     config = parse_config(argv)
     import torch.distributed as dist  # torch-heavy imports after the flags are known to be good
 
+    from ..process_group.timeouts import StalledRankError
     from .checkpoint import CHECKPOINT_ERRORS
+    from .nonfinite import NonFiniteLossError
     from .output_dir import OutputDirError
     from .resume import SetupChangedError
     from .tasks import make_task
-    from .nonfinite import NonFiniteLossError
-    from ..process_group.timeouts import StalledRankError
     from .trainer import Trainer
 
     try:

@@ -27,19 +27,17 @@ How Hugging Face differs
     ``per_device_eval_batch_size`` defaults to 256 (8 there): the built-in
     evaluation sets are tiny. ``loss_normalization``, ``model``, ``dataset_size``,
     ``eval_size`` and ``dropout`` choose the built-in task (``tasks.py``); the
-    Trainer itself never reads them. Each field's comment is its ``--help`` line.
+    Trainer itself never reads them. Each field's ``metadata["help"]`` is its ``--help`` line.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
-import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
-from ..process_group.backend import valid_backend_names
-from ..engine.bucketing import check_bucket_cap_mb
 from ..comm_hooks import COMM_HOOKS
+from ..engine.bucketing import check_bucket_cap_mb
+from ..process_group.backend import valid_backend_names
 from ..process_group.timeouts import DEFAULT_TIMEOUT_S, as_timedelta
 
 MIXED_PRECISION = ("no", "bf16", "fp16")
@@ -50,47 +48,71 @@ MAX_SEED = 2**32 - 1  # numpy's largest seed; seed + rank stays far inside torch
 
 def choices() -> dict[str, list[str]]:
     """The fields that take one of a few names, and those names (validation and ``--help`` share them)."""
-    return {"ddp_backend": valid_backend_names(), "ddp_comm_hook": list(COMM_HOOKS), "mixed_precision": list(MIXED_PRECISION),
-            "loss_normalization": list(LOSS_NORMALIZATION), "model": list(MODELS)}
+    return {"ddp_backend": valid_backend_names(), "ddp_comm_hook": list(COMM_HOOKS),
+            "mixed_precision": list(MIXED_PRECISION), "loss_normalization": list(LOSS_NORMALIZATION),
+            "model": list(MODELS)}
 
 
 @dataclass
 class TrainingConfig:
-    # Each field's trailing comment is also its line in `miniddp-train --help` (see field_help).
-    output_dir: str = "miniddp-output"  # where metrics.json, final_model.pt and checkpoint-<step>/ go
-    per_device_train_batch_size: int = 8  # samples per rank per micro-batch
-    per_device_eval_batch_size: int = 256  # samples per rank per evaluation batch
-    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step (only the last one all-reduces)
-    dataloader_drop_last: bool = False  # drop each rank's last incomplete micro-batch of an epoch (BatchNorm needs 2+)
-    learning_rate: float = 1e-3  # AdamW's, decayed linearly to 0 over the run
-    max_steps: int = -1  # optimizer steps to train; -1: train for num_train_epochs
-    num_train_epochs: float = 3.0  # passes over the training set, when max_steps is -1
-    max_grad_norm: float = 1.0  # clip the gradient norm after averaging; 0 disables
-    weight_decay: float = 0.0  # AdamW's weight decay
-    seed: int = 42  # shuffling, the built-in tasks, and each rank's random stream (seed + rank)
-    logging_steps: int = 10  # log the loss averaged over ranks every this many optimizer steps
-    save_steps: int = 0  # save a checkpoint every this many optimizer steps; 0: never
-    save_total_limit: int | None = None  # keep at most this many checkpoints (oldest deleted); none: all
-    resume_from_checkpoint: str | None = None  # a checkpoint-<step> directory, or latest (newest in output_dir)
-    resume_allow_changes: bool = False  # resume under another world size, batch, schedule or task (data order changes)
-    overwrite_output_dir: bool = False  # delete another run's results in output_dir instead of refusing to start
-    ddp_backend: str = "auto"  # process-group backend; auto: from the device (gloo on CPU, nccl on CUDA)
-    ddp_find_unused_parameters: bool = False  # DDP's find_unused_parameters: allow parameters without gradient
-    ddp_bucket_cap_mb: float | str | None = None  # DDP's bucket_cap_mb in MiB, or auto (the cost model picks it); none: 1 MiB, then 25 MiB
-    ddp_broadcast_buffers: bool = True  # DDP's broadcast_buffers: copy rank 0's buffers before each forward
-    ddp_timeout: float = DEFAULT_TIMEOUT_S  # seconds a collective may wait for the other ranks
-    ddp_comm_hook: str = "no"  # DDP communication hook (Accelerate's names): compress what crosses the wire
-    ddp_comm_powersgd_rank: int = 1  # PowerSGD's matrix_approximation_rank (power_sgd, batched_power_sgd)
-    ddp_comm_powersgd_start_iter: int = 1000  # PowerSGD's start_powerSGD_iter: plain all-reduce before this step
-    use_cpu: bool = False  # train on the CPU even where there is a GPU (the backend does not choose the device)
-    gradient_checkpointing: bool = False  # recompute activations in backward (model.gradient_checkpointing_enable)
-    mixed_precision: str = "no"  # autocast to bf16, or fp16 with a GradScaler; no: fp32
-    loss_normalization: str = "per_batch"  # built-in tasks: per_batch mean, or global_tokens (num_items_in_batch)
-    model: str = "mlp"  # built-in task: mlp, bn (with BatchNorm), lm (tiny causal LM, variable lengths)
-    dataset_size: int = 2048  # training samples of the built-in task
-    eval_size: int = 512  # held-out samples of the built-in task; 0: no evaluation
-    dropout: float = 0.0  # the built-in models' dropout probability
-    disable_tqdm: bool = False  # no progress bar
+    # Each field's metadata["help"] is its line in `miniddp-train --help` (as in TrainingArguments).
+    output_dir: str = field(default="miniddp-output", metadata={
+        "help": "where metrics.json, final_model.pt and checkpoint-<step>/ go"})
+    per_device_train_batch_size: int = field(default=8, metadata={"help": "samples per rank per micro-batch"})
+    per_device_eval_batch_size: int = field(default=256, metadata={"help": "samples per rank per evaluation batch"})
+    gradient_accumulation_steps: int = field(default=1, metadata={
+        "help": "micro-batches per optimizer step (only the last one all-reduces)"})
+    dataloader_drop_last: bool = field(default=False, metadata={
+        "help": "drop each rank's last incomplete micro-batch of an epoch (BatchNorm needs 2+)"})
+    learning_rate: float = field(default=1e-3, metadata={"help": "AdamW's, decayed linearly to 0 over the run"})
+    max_steps: int = field(default=-1, metadata={"help": "optimizer steps to train; -1: train for num_train_epochs"})
+    num_train_epochs: float = field(default=3.0, metadata={
+        "help": "passes over the training set, when max_steps is -1"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "clip the gradient norm after averaging; 0 disables"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW's weight decay"})
+    seed: int = field(default=42, metadata={
+        "help": "shuffling, the built-in tasks, and each rank's random stream (seed + rank)"})
+    logging_steps: int = field(default=10, metadata={
+        "help": "log the loss averaged over ranks every this many optimizer steps"})
+    save_steps: int = field(default=0, metadata={"help": "save a checkpoint every this many optimizer steps; 0: never"})
+    save_total_limit: int | None = field(default=None, metadata={
+        "help": "keep at most this many checkpoints (oldest deleted); none: all"})
+    resume_from_checkpoint: str | None = field(default=None, metadata={
+        "help": "a checkpoint-<step> directory, or latest (newest in output_dir)"})
+    resume_allow_changes: bool = field(default=False, metadata={
+        "help": "resume under another world size, batch, schedule or task (data order changes)"})
+    overwrite_output_dir: bool = field(default=False, metadata={
+        "help": "delete another run's results in output_dir instead of refusing to start"})
+    ddp_backend: str = field(default="auto", metadata={
+        "help": "process-group backend; auto: from the device (gloo on CPU, nccl on CUDA)"})
+    ddp_find_unused_parameters: bool = field(default=False, metadata={
+        "help": "DDP's find_unused_parameters: allow parameters without gradient"})
+    ddp_bucket_cap_mb: float | str | None = field(default=None, metadata={
+        "help": "DDP's bucket_cap_mb in MiB, or auto (the cost model picks it); none: 1 MiB, then 25 MiB"})
+    ddp_broadcast_buffers: bool = field(default=True, metadata={
+        "help": "DDP's broadcast_buffers: copy rank 0's buffers before each forward"})
+    ddp_timeout: float = field(default=DEFAULT_TIMEOUT_S, metadata={
+        "help": "seconds a collective may wait for the other ranks"})
+    ddp_comm_hook: str = field(default="no", metadata={
+        "help": "DDP communication hook (Accelerate's names): compress what crosses the wire"})
+    ddp_comm_powersgd_rank: int = field(default=1, metadata={
+        "help": "PowerSGD's matrix_approximation_rank (power_sgd, batched_power_sgd)"})
+    ddp_comm_powersgd_start_iter: int = field(default=1000, metadata={
+        "help": "PowerSGD's start_powerSGD_iter: plain all-reduce before this step"})
+    use_cpu: bool = field(default=False, metadata={
+        "help": "train on the CPU even where there is a GPU (the backend does not choose the device)"})
+    gradient_checkpointing: bool = field(default=False, metadata={
+        "help": "recompute activations in backward (model.gradient_checkpointing_enable)"})
+    mixed_precision: str = field(default="no", metadata={
+        "help": "autocast to bf16, or fp16 with a GradScaler; no: fp32"})
+    loss_normalization: str = field(default="per_batch", metadata={
+        "help": "built-in tasks: per_batch mean, or global_tokens (num_items_in_batch)"})
+    model: str = field(default="mlp", metadata={
+        "help": "built-in task: mlp, bn (with BatchNorm), lm (tiny causal LM, variable lengths)"})
+    dataset_size: int = field(default=2048, metadata={"help": "training samples of the built-in task"})
+    eval_size: int = field(default=512, metadata={"help": "held-out samples of the built-in task; 0: no evaluation"})
+    dropout: float = field(default=0.0, metadata={"help": "the built-in models' dropout probability"})
+    disable_tqdm: bool = field(default=False, metadata={"help": "no progress bar"})
 
     def __post_init__(self):
         self.validate()
@@ -160,6 +182,5 @@ class TrainingConfig:
 
 
 def field_help() -> dict[str, str]:
-    """Each field's trailing comment, by name: one text for readers of this file and of ``--help``."""
-    source = inspect.getsource(TrainingConfig)
-    return dict(re.findall(r"^    (\w+): [^\n]*?  # ([^\n]+)$", source, re.M))
+    """Each field's ``metadata["help"]``, by name: the one text of ``--help`` and of this file."""
+    return {f.name: f.metadata["help"] for f in fields(TrainingConfig) if f.metadata.get("help")}

@@ -12,9 +12,9 @@ Why
     per_device_train_batch_size x world_size x gradient_accumulation_steps is what a step *would*
     consume. With 16 samples on 2 ranks and 4 accumulation steps, every rank has one micro-batch
     per epoch: the window is cut at the epoch's end and a step trains on 16, not 64. Reporting 64
-    misleads every comparison of runs. An empty dataset used to make the loop move from epoch to
-    epoch forever (no collective runs, so no timeout fires); BatchNorm failed hundreds of steps in,
-    on the epoch's last micro-batch of one sample.
+    misleads every comparison of runs. Unchecked, an empty dataset makes the loop move from epoch
+    to epoch for ever (no collective runs, so no timeout fires), and BatchNorm fails hundreds of
+    steps in, on an epoch's last micro-batch of one sample.
 
 How Hugging Face differs
     ``TrainingArguments`` reports ``train_batch_size`` x accumulation x world size, the nominal

@@ -9,13 +9,13 @@ What
     ``finite_or_null`` makes a metrics dict valid JSON (JSON has no NaN).
 
 Why
-    A diverged run used to exit 0: with ``--learning_rate 1e20`` every parameter
-    was NaN, ``final_model.pt`` was saved anyway (over a good one), and
-    ``metrics.json`` held ``NaN`` literals that strict JSON parsers reject. Worse,
-    a NaN on one rank alone (one bad sample) reaches every rank through the
-    all-reduce, so each rank must stop at the same step or the others hang in
-    the next collective. Checking costs one small all-gather and one host sync
-    per optimizer step.
+    Unchecked, a diverged run exits 0: with ``--learning_rate 1e20`` every
+    parameter is NaN, ``final_model.pt`` is saved anyway (over a good one), and
+    ``metrics.json`` holds ``NaN`` literals that strict JSON parsers reject. A NaN
+    on one rank alone (one bad sample) reaches every rank through the all-reduce,
+    so each rank must stop at the same step or the others hang in the next
+    collective. Checking costs one small all-gather and one host sync per
+    optimizer step.
 
 How Hugging Face differs
     ``transformers.Trainer`` has ``logging_nan_inf_filter`` (drop NaN losses from
@@ -32,8 +32,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from .checkpoint import checkpoints
 from ..process_group.timeouts import naming_stalled_ranks
+from .timeline import checkpoints
 
 
 class NonFiniteLossError(RuntimeError):

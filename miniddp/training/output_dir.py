@@ -15,8 +15,8 @@ Why
     Two runs started into the same directory both "succeed" while one's
     checkpoints overwrite the other's; rotation by step number then deletes the
     new run's checkpoints and keeps the old one's, so ``latest`` resumes the wrong
-    run. An unusable directory used to be found after hours of training, and a
-    full disk replaced a good ``final_model.pt`` with half of a new one. The
+    run. Unchecked, an unusable directory is found after hours of training, and a
+    full disk replaces a good ``final_model.pt`` with half of a new one. The
     lock is a kernel lock: it disappears with its process, even after ``kill -9``,
     so a dead run never blocks the next one (the next one names who held it).
 

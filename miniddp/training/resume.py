@@ -11,14 +11,14 @@ What
 
 Why
     "Resume" is only trustworthy if the resumed run *is* the run that was
-    interrupted. Three things used to break that silently: ``iter(DataLoader)``
-    draws a seed from the global torch RNG, so restoring the RNG and then
-    building the iterator shifted every later dropout mask; skipping batches by
-    loading them would draw from the RNG of any random transform; and a
-    different world size or batch size made the saved position (optimizer
-    steps into the epoch) mean other samples. Now the first two cannot happen
-    (the loader has its own generator; skipping slices indices) and the third is
-    an error that lists what changed, unless ``resume_allow_changes`` is set.
+    interrupted. Three things break that silently: ``iter(DataLoader)`` draws a
+    seed from the global torch RNG, so restoring the RNG and then building the
+    iterator shifts every later dropout mask; skipping batches by loading them
+    draws from the RNG of any random transform; and under a different world
+    size or batch size the saved position (optimizer steps into the epoch)
+    means other samples. Here the loader has its own generator, skipping slices
+    indices, and a changed setup is an error that lists what changed, unless
+    ``resume_allow_changes`` is set.
 
 How Hugging Face differs
     ``Trainer`` saves ``rng_state_<rank>.pth`` (python, numpy, cpu, cuda) and

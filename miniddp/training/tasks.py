@@ -24,8 +24,14 @@ What
 
 Why
     Tests, notebooks and the README's command must run on a machine with no
-    network. Each task is small enough to train in seconds on 2 CPU cores and
-    still shows the phenomenon it is there for.
+    network. Each task is small enough to train on a laptop's CPU while a test
+    waits, and still shows the phenomenon it is there for.
+
+How Hugging Face differs
+    Its examples download a dataset (``datasets.load_dataset``) and a pretrained model. The
+    built-in models follow its conventions instead: ``{"logits", "loss"}`` outputs, a loss
+    computed when ``labels`` are given, -100 for labels that do not count, and
+    ``gradient_checkpointing_enable()``.
 """
 
 from __future__ import annotations

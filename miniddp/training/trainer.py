@@ -3,63 +3,52 @@
 What
     ``Trainer(model=..., args=TrainingConfig(...), train_dataset=..., eval_dataset=None,
     data_collator=None, compute_loss_func=None, compute_metrics=None)`` takes
-    ``transformers.Trainer``'s keywords. It joins the job (``init_distributed``:
-    backend, device, ``ddp_timeout``), wraps the model
-    (``miniddp.DistributedDataParallel`` with the ``ddp_*`` settings), seeds each
-    rank's random stream with ``seed + rank``, shards the data (``ShardSampler``),
-    and trains: accumulation windows with ``no_sync`` on every micro-batch but the
-    last, clipping after the sync, one optimizer and LR-schedule step per window,
-    autocast for bf16/fp16, evaluation, checkpoints and an exact resume
-    (``resume.py``). ``train()`` owns ``output_dir`` while it runs (``output_dir.py``),
-    stops every rank at the first non-finite loss or gradient norm
-    (``NonFiniteLossError``, before the optimizer step), and returns the metrics it
-    writes to ``output_dir/metrics.json`` (strict JSON). Batches become losses in
-    ``batches.py``: the loop knows no task.
+    ``transformers.Trainer``'s keywords. It joins the job (``init_distributed``), prepares the
+    model, data, optimizer and mixed precision (``prepare.py``), seeds each rank with
+    ``seed + rank``, and trains. This file is the loop: accumulation windows with ``no_sync`` on
+    every micro-batch but the last, clipping after the sync, one optimizer and LR-schedule step
+    per window, a stop at the first non-finite loss (``nonfinite.py``). Batches become losses in
+    ``batches.py`` (the loop knows no task); logging, evaluation and the results are
+    ``reporting.py``'s, checkpoints and the exact resume ``trainer_checkpoint.py``'s.
 
 Why
-    The pieces are only understood once they run together. This loop is also the
-    oracle for the claim Hugging Face and TRL make: runs with the same effective
-    batch (per_device_train_batch_size x world_size x gradient_accumulation_steps)
-    train the same model, for any model whose loss is normalised right.
+    The pieces are only understood once they run together. This loop is also the oracle for
+    the claim Hugging Face and TRL make: runs with the same effective batch
+    (per_device_train_batch_size x world_size x gradient_accumulation_steps) train the same
+    model, for any model whose loss is normalised right.
 
 How Hugging Face differs
-    ``transformers.Trainer`` (via Accelerate) does the same with far more options.
-    It seeds every rank with the same ``seed``, so ranks draw the same dropout
-    masks; Accelerate's ``set_seed(seed, device_specific=True)`` adds the process
-    index, as we do. A model's own loss (a micro-batch mean) is divided by the
-    window's *real* length, so a short last window is still an average (Hugging
-    Face divides by ``gradient_accumulation_steps``). Tuple batches are ours.
+    ``transformers.Trainer`` (via Accelerate) does the same with far more options. It seeds
+    every rank with the same ``seed``, so ranks draw the same dropout masks; Accelerate's
+    ``set_seed(seed, device_specific=True)`` adds the process index, as we do. A model's own
+    loss (a micro-batch mean) is divided by the window's *real* length, so a short last window
+    is still an average (Hugging Face divides by ``gradient_accumulation_steps``). Tuple batches
+    are ours.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from contextlib import nullcontext
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader
 
-from .batches import compute_loss, count_items, evaluate
-from .checkpoint import (checkpoints, load_checkpoint_on_every_rank, load_states, on_every_rank, save_checkpoint,
-                         set_aside_later_results)
-from .config import TrainingConfig
-from ..comm_hooks import hook_by_name
-from ..engine.ddp import DistributedDataParallel, move_to
+from ..engine.ddp import move_to
 from ..process_group.env import init_distributed
-from .epoch import plan_epoch
-from .nonfinite import finite_or_null, grad_norm, stop_if_not_finite
-from .output_dir import atomic_save, atomic_write_text, bytes_to_save, claim_output_dir
-from .resume import (apply_new_schedule, check_position, compare_setups, epoch_batches, position_in_new_units,
-                     seed_per_rank, set_rng_state, setup_of)
-from ..by_hand.sharding import ShardSampler
 from ..process_group.timeouts import naming_stalled_ranks
+from .batches import compute_loss, count_items
+from .config import TrainingConfig
+from .epoch import plan_epoch
+from .nonfinite import grad_norm, stop_if_not_finite
+from .prepare import prepare_dataloader, prepare_mixed_precision, prepare_model, prepare_optimizer
+from .reporting import TrainerReporting
+from .resume import epoch_batches, seed_per_rank, setup_of
+from .trainer_checkpoint import TrainerCheckpointing
 
 
-class Trainer:
+class Trainer(TrainerReporting, TrainerCheckpointing):
     """Data-parallel training with ``transformers.Trainer``'s keywords; see the module docstring."""
 
     def __init__(self, *, model, args: TrainingConfig | None = None, train_dataset, eval_dataset=None,
@@ -74,39 +63,19 @@ class Trainer:
         self.eval_dataset = eval_dataset
         self.env = init_distributed(args.ddp_backend, args.ddp_timeout, device="cpu" if args.use_cpu else None)
         self.device, self.rank, self.world_size = self.env.device, self.env.rank, self.env.world_size
-        if args.gradient_checkpointing:
-            _enable_gradient_checkpointing(model, args.ddp_broadcast_buffers)
-        self.model = model.to(self.device)  # the unwrapped model: what we save
-        # --8<-- [start:wrap]
-        self.ddp = DistributedDataParallel(
-            self.model, device_ids=[self.device] if self.device.type == "cuda" else None,
-            bucket_cap_mb=args.ddp_bucket_cap_mb, broadcast_buffers=args.ddp_broadcast_buffers,
-            find_unused_parameters=args.ddp_find_unused_parameters)
-        self.comm_hook = hook_by_name(args.ddp_comm_hook, None, args.ddp_comm_powersgd_rank,
-                                      args.ddp_comm_powersgd_start_iter)  # (state, hook), or None: plain all-reduce
-        if self.comm_hook is not None:
-            self.ddp.register_comm_hook(*self.comm_hook)
+        self.model, self.ddp, self.comm_hook = prepare_model(model, args, self.device)  # self.model: unwrapped
         seed_per_rank(args.seed, self.rank)  # after the wrap: rank 0's initial weights are everyone's
-        self.sampler = ShardSampler(train_dataset, num_replicas=self.world_size, rank=self.rank, shuffle=True,
-                                    seed=args.seed)
-        self.loader = DataLoader(train_dataset, batch_size=args.per_device_train_batch_size, sampler=self.sampler,
-                                 collate_fn=data_collator, pin_memory=self.device.type == "cuda",
-                                 drop_last=args.dataloader_drop_last,
-                                 generator=torch.Generator())  # its own: iter() must not draw from torch's RNG
-        # --8<-- [end:wrap]
+        self.sampler, self.loader = prepare_dataloader(train_dataset, args, self.rank, self.world_size, self.device,
+                                                       data_collator)
         self.plan = plan_epoch(len(self.sampler), args.per_device_train_batch_size, args.gradient_accumulation_steps,
                                self.world_size, drop_last=args.dataloader_drop_last, model=self.model)  # or raise
         if self.plan.notice and self.rank == 0:
             print(f"miniddp: {self.plan.notice}", file=sys.stderr, flush=True)
-        self.windows = self.plan.windows
+        self.windows = self.plan.windows  # micro-batches per optimizer step, for one epoch
         per_epoch = len(self.windows)  # optimizer steps per epoch
         self.max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * per_epoch)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.learning_rate,
-                                           weight_decay=args.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: max(0.0, 1 - s / self.max_steps))
-        amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision)
-        self.autocast = (lambda: torch.autocast(self.device.type, dtype=amp)) if amp else nullcontext
-        self.scaler = torch.amp.GradScaler(self.device.type) if args.mixed_precision == "fp16" else None
+        self.optimizer, self.scheduler = prepare_optimizer(self.model, args, self.max_steps)
+        self.autocast, self.scaler = prepare_mixed_precision(args.mixed_precision, self.device)
         # where we are, saved in checkpoints; loss_sum: the loss of every step so far, averaged over ranks
         self.state = {"global_step": 0, "epoch": 0, "window": 0, "loss_sum": 0.0, "logged_step": 0,
                       "logged_loss": 0.0, "skipped_steps": 0}  # skipped: fp16 steps the GradScaler skipped
@@ -196,135 +165,11 @@ class Trainer:
         if progress is not None:
             progress.close()
 
-    def _claim_output_dir(self, where) -> None:
-        """Rank 0 locks output_dir and checks it (see output_dir.py); its error is every rank's."""
-        out = Path(self.args.output_dir).resolve()
-        resuming = where == "latest" or (where is not None and out in Path(where).resolve().parents)
-        need = bytes_to_save(self.model, optimizer_copies=2, checkpoints=self.args.save_steps > 0)
-
-        def claim():
-            return claim_output_dir(out, resuming=resuming, overwrite=self.args.overwrite_output_dir, need_bytes=need)
-        self.lock = on_every_rank(claim if self.rank == 0 else None, "claiming output_dir")
-
     def _after_step(self, progress) -> None:
-        step, args = self.state["global_step"], self.args
-        if step % args.logging_steps == 0 or step == self.max_steps:
-            self._flush_loss()
-            state = self.state
-            loss = (state["loss_sum"] - state["logged_loss"]) / (step - state["logged_step"])  # mean since last log
-            state.update(logged_step=step, logged_loss=state["loss_sum"])
-            self.log_history.append({"step": step, "loss": loss, "lr": self.scheduler.get_last_lr()[0]})
-            if progress is not None:
-                progress.set_postfix(loss=f"{loss:.4f}")
+        step = self.state["global_step"]
+        if step % self.args.logging_steps == 0 or step == self.max_steps:
+            self._log(progress)  # reporting.py
         if progress is not None:
             progress.update(1)
-        if args.save_steps and step % args.save_steps == 0:
-            self.save(step)
-
-    def _flush_loss(self) -> None:
-        """Move the pending window losses, averaged over ranks, into state (one all-reduce, one host sync)."""
-        with naming_stalled_ranks(f"loss all-reduce after step {self.state['global_step']}"):
-            dist.all_reduce(self.pending_loss)
-        self.state["loss_sum"] += self.pending_loss.item() / self.world_size
-        self.pending_loss.zero_()
-
-    def save(self, step: int) -> Path:
-        trainer_state = {**self.state, "log_history": list(self.log_history), "setup": self.setup,
-                         "layout": self.ddp.layout_state()}  # the bucket layout: sums in the same order
-        states = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                  "scheduler": self.scheduler.state_dict(), "trainer_state": trainer_state}
-        if self.scaler:
-            states["scaler"] = self.scaler.state_dict()
-        # each rank's unreported loss travels in its own file: no all-reduce here, so a save does not
-        # change how the losses are summed, and train_loss is the same with or without interruptions
-        return save_checkpoint(self.args.output_dir, step, states, self.rank, self.args.save_total_limit,
-                               rank_state={"pending_loss": self.pending_loss.cpu(), "comm_hook": self._hook_state()})
-
-    def _hook_state(self):
-        """PowerSGD's memories differ per rank: they go to ``rank_<r>.pt``. Other hooks keep nothing."""
-        state = self.comm_hook[0] if self.comm_hook else None
-        return state.state_dict() if hasattr(state, "state_dict") else None
-
-    def _resume(self, where) -> None:
-        path = where
-        if where == "latest":
-            found = checkpoints(self.args.output_dir)
-            if not found:
-                if self.rank == 0:
-                    print(f"resume_from_checkpoint='latest': {self.args.output_dir} has no complete checkpoint; "
-                          "starting from scratch", file=sys.stderr, flush=True)
-                return
-            path = found[-1]
-        state = load_checkpoint_on_every_rank(path, self.rank, latest=where == "latest")
-        trainer_state = dict(state["trainer_state"])
-        saved_setup = trainer_state.pop("setup")
-        notice = compare_setups(saved_setup, self.setup, self.args.resume_allow_changes, path)  # or raise
-        check_position(trainer_state["global_step"], self.max_steps, path)
-        load_states(path, (self.model, state["model"]), (self.optimizer, state["optimizer"]),
-                    (self.scheduler, state["scheduler"]))
-        aside = on_every_rank((lambda: set_aside_later_results(self.args.output_dir, path)) if self.rank == 0
-                              else None, "setting aside the results after the resumed checkpoint")
-        if aside is not None:  # resumed an earlier checkpoint: what came after it is another timeline
-            print(f"miniddp: resuming {path}: the checkpoints and results saved after it are another timeline; "
-                  f"moved to {aside} (nothing was deleted)", file=sys.stderr, flush=True)
-        if self.scaler and "scaler" in state:
-            self.scaler.load_state_dict(state["scaler"])
-        self.log_history = trainer_state.pop("log_history")
-        self.ddp.load_layout_state(trainer_state.pop("layout"))
-        self.state.update(trainer_state)
-        if "rank_state" in state:  # absent for a rank beyond the saved world size (resume_allow_changes)
-            set_rng_state(state["rank_state"]["rng"])
-            self.pending_loss.copy_(state["rank_state"]["pending_loss"])
-            hook_state = state["rank_state"].get("comm_hook")
-            target = self.comm_hook[0] if self.comm_hook else None  # the hook's state, if it has one to load
-            if hook_state is not None and hasattr(target, "load_state_dict"):
-                target.load_state_dict(hook_state)
-        if notice:
-            if self.rank == 0:
-                print(f"miniddp: {notice}", file=sys.stderr, flush=True)
-            apply_new_schedule(self.optimizer, self.scheduler, self.args.learning_rate, self.args.weight_decay)
-            self.state["window"] = position_in_new_units(saved_setup, self.setup, self.state["window"])
-            if self.state["window"] >= len(self.windows):
-                self.state.update(epoch=self.state["epoch"] + 1, window=0)
-
-    def _progress_bar(self):
-        if self.rank != 0 or self.args.disable_tqdm:
-            return None
-        from tqdm.auto import tqdm
-
-        return tqdm(total=self.max_steps, initial=self.state["global_step"], desc="train", unit="step")
-
-    def evaluate(self) -> dict:
-        """``eval_loss`` and ``compute_metrics``' results (prefixed ``eval_``) over all of eval_dataset."""
-        return evaluate(self.model, self.eval_dataset, device=self.device,
-                        batch_size=self.args.per_device_eval_batch_size, collate_fn=self.data_collator,
-                        compute_loss_func=self.compute_loss_func, compute_metrics=self.compute_metrics)
-
-    def _finish(self) -> dict:
-        args = self.args
-        metrics = {"world_size": self.world_size, "backend": self.env.backend,
-                   "effective_batch_size": self.plan.samples_per_step,  # what a step trained on
-                   "global_step": self.state["global_step"],
-                   "train_loss": self.state["loss_sum"] / max(1, self.state["global_step"]),
-                   **({"fp16_skipped_steps": self.state["skipped_steps"]} if self.scaler else {}),
-                   **self.evaluate(), "log_history": self.log_history}
-
-        def write():  # each atomically: a crash or a full disk leaves the previous version whole
-            out = Path(args.output_dir)
-            atomic_save(self.model.state_dict(), out / "final_model.pt")
-            strict = json.dumps(finite_or_null({**metrics, "config": args.to_dict()}), indent=2, allow_nan=False)
-            atomic_write_text(out / "metrics.json", strict + "\n")
-        on_every_rank(write if self.rank == 0 else None, "writing final_model.pt and metrics.json")
-        return metrics
-
-
-def _enable_gradient_checkpointing(model, broadcast_buffers: bool) -> None:
-    enable = getattr(model, "gradient_checkpointing_enable", None)
-    if enable is None:
-        raise ValueError(f"gradient_checkpointing=True but {type(model).__name__} has no "
-                         "gradient_checkpointing_enable() method (Hugging Face models have one): add it, or "
-                         "checkpoint inside your forward with torch.utils.checkpoint")
-    if broadcast_buffers and any(True for _ in model.buffers()):
-        raise ValueError("ddp_broadcast_buffers=True with gradient_checkpointing on a model with buffers: "
-                         "set ddp_broadcast_buffers=False")
-    enable()
+        if self.args.save_steps and step % self.args.save_steps == 0:
+            self.save(step)  # trainer_checkpoint.py

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 import miniddp
 from miniddp.testing import backend_params, run_on_ranks
-from miniddp.diagnostics.trace import Tracer, plot_timeline, save_chrome_trace, step_summary, to_chrome_trace
+from miniddp.diagnostics.timeline import plot_timeline
+from miniddp.diagnostics.trace import Tracer, save_chrome_trace, step_summary, to_chrome_trace
 from models import MODELS
 
 
@@ -58,7 +59,7 @@ def test_events_include_a_finish_whose_callback_still_runs_when_backward_returns
     tracer = Tracer(0)
     fut = torch.futures.Future()
     fut.then(lambda f: time.sleep(0.5))
-    tracer.bucket_launched(SimpleNamespace(index=0, nbytes=4, params=[0], work=SimpleNamespace(get_future=lambda: fut)))
+    tracer.bucket_launched(SimpleNamespace(index=0, nbytes=4, params=[0]), fut)
     threading.Thread(target=fut.set_result, args=(torch.zeros(1),)).start()
     fut.wait()  # what the reducer waits for before backward returns
     assert [e["name"] for e in tracer.events] == ["bucket launched", "bucket finished"]
@@ -68,7 +69,7 @@ def test_a_finish_recorded_after_its_backward_ended_is_dated_at_that_end():
     # the reducer waits for every bucket before it ends the backward: a later "finished" is a late callback
     tracer, fut = Tracer(0), torch.futures.Future()
     tracer.event("backward start")
-    tracer.bucket_launched(SimpleNamespace(index=0, nbytes=4, params=[0], work=SimpleNamespace(get_future=lambda: fut)))
+    tracer.bucket_launched(SimpleNamespace(index=0, nbytes=4, params=[0]), fut)
     tracer.event("backward end")
     time.sleep(0.05)
     fut.set_result(torch.zeros(1))  # its callbacks run here, after the end

@@ -123,8 +123,11 @@ class Bucket:
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
 
+    # --8<-- [start:mean]
     def put(self, k: int, grad, divisor: int = 1) -> None:
-        """Write parameter k's gradient (``None``: zeros), divided by ``divisor`` in the same pass."""
+        """Write parameter k's gradient (``None``: zeros) into the bucket. The default path passes
+        the world size N as ``divisor``: mean = sum / N, divided here, on the way in, in the same
+        pass as the copy, so that a plain SUM all-reduce of the bucket is the mean (torch: the same)."""
         view = self.views[k]
         if grad is None:  # no gradient on this rank: contribute zeros
             view.zero_()
@@ -135,30 +138,31 @@ class Bucket:
             torch.div(grad, divisor, out=view)  # copy and divide in one pass
         else:
             view.copy_(grad)
+    # --8<-- [end:mean]
 
-    def write_back(self, result: torch.Tensor, counts: list[int], kept: dict, as_view: bool) -> None:
-        """The one place that sets ``.grad``: a hook's averaged ``result`` (this bucket's layout) into the
-        parameters' gradients. ``counts[i]``: ranks that had parameter i's gradient (0: leave ``.grad``,
-        or restore ``kept[i]``, the bucket-view ``.grad`` it had)."""
+    # --8<-- [start:write_back]
+    def write_back(self, result: torch.Tensor, counts: list[int], as_view: bool) -> None:
+        """The one place that sets ``.grad``: the averaged ``result`` (this bucket's layout) into the
+        parameters' gradients. ``counts[i]``: ranks that had parameter i's gradient (0: leave ``.grad``)."""
         if as_view and result.data_ptr() != self.buffer.data_ptr():
             self.buffer.copy_(result)  # .grad lives in the bucket: the result goes there
         values = self.views if as_view or result is self.buffer else self.split(result)
         for k, (i, p) in enumerate(zip(self.indices, self.params)):
-            if counts[i] == 0:  # unused on every rank: .grad stays as it was
-                if i in kept:
-                    p.grad = kept[i]
-            elif as_view:
+            if counts[i] == 0:  # unused on every rank: .grad stays as it was (unused.UsedCounts.restore_kept)
+                continue
+            if as_view:
                 p.grad = values[k]
             elif p.grad is None:
                 p.grad = values[k].to(p.dtype, copy=True)
             else:
                 p.grad.copy_(values[k])
+    # --8<-- [end:write_back]
 
-    def for_hook(self, is_last: bool, pre_divided: bool, buffer: torch.Tensor | None = None) -> GradBucket:
+    def for_hook(self, is_last: bool, buffer: torch.Tensor | None = None) -> GradBucket:
         """What a comm hook receives: this bucket (or a same-layout ``buffer``, e.g. zeros) as a ``GradBucket``."""
         flat = self.buffer if buffer is None else buffer
         views = self.views if buffer is None else self.split(buffer)
-        return GradBucket(self.index, flat, views, self.params, is_last, pre_divided)
+        return GradBucket(self.index, flat, views, self.params, is_last)
 # --8<-- [end:bucket]
 
 
@@ -175,6 +179,15 @@ def rebuilt_assignment(ready_order: list[int], params, size_limits, group) -> li
     assignment = compute_bucket_assignment([params[i] for i in order], size_limits)
     return [[order[j] for j in bucket] for bucket in assignment]
 # --8<-- [end:rebuild]
+
+
+def check_dense(grad, name: str):
+    """``grad``, if it fits a flat bucket: a sparse one (refused at wrap, yet ``F.embedding(..., sparse=True)``
+    still makes one) is named instead."""
+    if grad is not None and grad.layout != torch.strided:
+        raise NotImplementedError(f"parameter {name} got a {grad.layout} gradient: miniddp averages dense "
+                                  "gradients only (use sparse=False, or torch's DDP)")
+    return grad
 
 
 def build_buckets(params, names, assignment) -> list[Bucket]:

@@ -104,10 +104,13 @@ class ChangedInWindow:
 
 class Accumulated:
     """Which parameters got a gradient since the last synced backward, ``no_sync`` micro-steps included
-    (torch keeps the same in ``local_used_map``)."""
+    (torch keeps the same in ``local_used_map``), and whether a ``no_sync`` forward explains a gradient
+    that arrives in a backward no synced forward armed."""
 
     def __init__(self, num_params: int):
         self.flags = [False] * num_params
+        self.local_forward = False  # a no_sync forward ran since the last synced backward: local gradients expected
+        self.warned = False  # the "gradient no forward prepared" warning, once
 
     def add(self, i: int) -> None:
         self.flags[i] = True
@@ -115,8 +118,16 @@ class Accumulated:
     def __contains__(self, i: int) -> bool:
         return self.flags[i]
 
+    def unarmed(self, name: str) -> None:
+        """``name`` got a gradient in an unarmed backward: fine after a ``no_sync`` forward, else warned once."""
+        if not self.local_forward and not self.warned:
+            self.warned = True
+            warnings.warn(unprepared_backward_message(name), UserWarning, stacklevel=3)
+
     def clear(self) -> None:
+        """A synced backward averaged everything: nothing is accumulated any more."""
         self.flags = [False] * len(self.flags)
+        self.local_forward = False
 
 
 # --8<-- [start:schedule]

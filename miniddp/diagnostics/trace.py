@@ -1,35 +1,24 @@
 """Tracing: see communication overlap backward, instead of taking it on faith.
 
 What
-    A ``Tracer`` records per-rank events with a monotonic clock: backward start,
-    each gradient ready, each bucket launched and finished, backward end, and the
-    spans you wrap in ``tracer.span("forward")`` / ``tracer.span("optimizer")``;
-    it observes the reducer (``engine.observers``), which knows nothing of it.
-    ``to_chrome_trace`` turns the events of all ranks into the JSON that
-    ``chrome://tracing`` and Perfetto open; ``step_summary`` measures one step
-    (how much communication ran *after* the backward's compute: the exposed
-    part); ``timeline.plot_timeline`` draws it.
+    A ``Tracer`` records per-rank events with a clock the ranks share: backward start, each
+    gradient ready, each bucket launched and finished, backward end (it observes the reducer,
+    ``engine.observers``, which knows nothing of it), and the spans you wrap in
+    ``tracer.span("forward")``. ``to_chrome_trace`` makes the JSON that Perfetto opens;
+    ``step_summary`` measures one step, how much communication ran *after* the backward's
+    compute (the exposed part); ``timeline.plot_timeline`` draws it.
 
 Why
-    "Overlap" is a claim about time. A timeline shows it: bucket 0's all-reduce
-    bar starting while the backward bar is still running is the whole point of
-    bucketing (the DDP paper's Fig. 7; the Ultra-Scale Playbook's DP chapter
-    draws the same picture). What is not hidden is what a bigger or smaller
+    "Overlap" is a claim about time. What is not hidden behind the backward is what another
     ``bucket_cap_mb`` can win back (``miniddp.engine.costmodel`` predicts it).
 
 How torch differs
-    ``torch.profiler`` records the same story at kernel level (look for
-    ``nccl:all_reduce`` / ``gloo:all_reduce`` rows overlapping
-    ``autograd::engine`` rows), with far more detail and far more noise. torch's
-    DDP keeps five timestamps per sampled iteration instead
-    (``_get_ddp_logging_data()``: ``backward_comm_time`` from the first bucket's
-    launch to the end of its finalize, ``backward_compute_comm_overlap_time``
-    until backward's compute ends); ``step_summary`` computes the same two from
-    our events. A bucket's finish time comes from its work's future callback,
-    which fires when the collective completes on gloo's worker thread. On CUDA
-    that callback fires at *enqueue*, so ``Tracer(device="cuda")`` records CUDA
-    events instead (in the callback, on the stream that waits for NCCL) and
-    ``synchronize()`` turns them into times.
+    ``torch.profiler`` records the same story kernel by kernel. torch's DDP keeps timestamps per
+    sampled iteration (``_get_ddp_logging_data()``: ``backward_comm_time``,
+    ``backward_compute_comm_overlap_time``); ``step_summary`` computes the same two. A bucket's
+    finish comes from its future's callback, which fires when gloo's collective completes; on
+    CUDA it fires at *enqueue*, so ``Tracer(device="cuda")`` records CUDA events on the stream
+    that waits for NCCL and ``synchronize()`` turns them into times.
 """
 
 from __future__ import annotations

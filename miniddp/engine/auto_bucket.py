@@ -1,35 +1,24 @@
 """``bucket_cap_mb="auto"``: the cost model picks the bucket size at the one-time rebuild.
 
 What
-    ``AutoBucketCap`` observes the reducer (``observers.ReducerObserver``). During
-    the first synced backward it records, per parameter, when its gradient became
-    ready (``time.perf_counter()`` from the backward's start). At the rebuild (before
-    the second synced forward, where every rank already meets for the bucket-order
-    broadcast) DDP calls ``choose`` on every rank: a short all-reduce sweep on the live
-    group (``measure_all_reduce``, 4 KiB..16 MiB, 3 repetitions) fitted to α–β,
-    the ranks' ready times gathered and combined with ``StepProfile.slowest``,
-    ``best_bucket_cap_mb`` over ``CANDIDATE_CAPS``, and rank 0's pick broadcast.
-    ``choose_bucket_cap_mb`` is the pure part (a profile and a fit in, an
-    ``AutoChoice`` out), so a test can hand it made-up numbers.
+    ``AutoBucketCap`` observes the reducer (``observers.ReducerObserver``): during the first
+    synced backward it records when each gradient became ready. At the rebuild DDP calls
+    ``choose`` on every rank: a short all-reduce sweep on the live group (4 KiB..16 MiB) fitted
+    to α–β, the ranks' ready times combined (``StepProfile.slowest``), ``best_bucket_cap_mb``
+    over ``CANDIDATE_CAPS``, and rank 0's pick broadcast. ``choose_bucket_cap_mb`` is the pure
+    part (a profile and a fit in, an ``AutoChoice`` out), so a test can feed it made-up numbers.
 
 Why
-    The best cap depends on the model (how gradients arrive), the network (α, β)
-    and whether communication really overlaps the backward; ``docs/costmodel.md``
-    measures all three. A user who does not want to run that page's benchmark
-    gets its answer from the first step.
-
-    ``overlap_cost``: on a CPU, gloo's threads and the backward share the cores.
-    ``measure_overlap_cost`` found 0.51–1.00 across six runs on this machine, and
-    the no-overlap closed form (``overlap_cost=1``) was within ±15% of the
-    measured step at every cap while free overlap was up to 28% optimistic; so
-    CPU tensors get 1.0 (no measurement: it would add noise and time), CUDA
-    tensors 0.0 (NCCL runs on its own stream). With 1.0 the model reduces to
-    "fewest buckets" and the ready times only set the backward's length.
+    The best cap depends on the model (how gradients arrive), the network (α, β) and whether
+    communication really overlaps the backward (``docs/costmodel.md`` measures all three). On a
+    CPU gloo's threads and the backward share the cores, so CPU tensors assume no overlap
+    (``overlap_cost=1``: the model then favours fewest buckets); CUDA tensors assume free overlap
+    (NCCL runs on its own stream).
 
 How torch differs
-    torch has no such option: ``bucket_cap_mb`` is a number you pick (Hugging
-    Face: ``ddp_bucket_cap_mb``). torch's reducer records ready times too
-    (``backward_stats_``) but only reports them (``_get_ddp_logging_data``).
+    torch has no such option: ``bucket_cap_mb`` is a number you pick (Hugging Face:
+    ``ddp_bucket_cap_mb``). torch's reducer records ready times too (``backward_stats_``) but
+    only reports them (``_get_ddp_logging_data``).
 """
 
 from __future__ import annotations

@@ -1,36 +1,24 @@
 """Gradient bucketing: few large all-reduces, launched while backward still runs.
 
 What
-    ``compute_bucket_assignment`` groups parameters into buckets of about
-    ``bucket_cap_mb``; a ``Bucket`` owns one flat buffer that its gradients are
-    copied into (or that ``.grad`` is a view of, ``gradient_as_bucket_view``);
-    ``Reducer`` (in ``reducer.py``) hands each bucket to the communication hook
-    (an all-reduce by default) as soon as its last gradient is ready.
+    ``compute_bucket_assignment`` groups parameters into buckets of about ``bucket_cap_mb``; a
+    ``Bucket`` owns one flat buffer its gradients are copied into, divided by N on the default
+    path (``put``: mean = sum / N), or that ``.grad`` is a view of (``gradient_as_bucket_view``);
+    ``write_back`` is the one place that sets ``.grad``. ``reducer.py`` sends each bucket as soon
+    as its last gradient is ready.
 
 Why
-    One all-reduce per parameter pays a fixed latency hundreds of times per step;
-    one all-reduce of everything after backward cannot start until the last
-    gradient exists. Buckets are the middle: large enough to amortise the latency,
-    small enough that the first ones can travel while backward computes the
-    rest (Li et al., "PyTorch Distributed", VLDB 2020, arXiv 2006.15704, §3.2.3;
-    Fig. 2 there measures the latency/size trade-off).
+    One all-reduce per parameter pays a fixed latency hundreds of times per step; one of
+    everything after backward cannot start until the last gradient exists. Buckets are the
+    middle: large enough to amortise the latency, small enough that the first ones travel while
+    backward computes the rest (the DDP paper, arXiv 2006.15704, §3.2.3 and Fig. 2).
 
 How torch differs
-    Same rules as ``compute_bucket_assignment_by_size`` in
-    ``torch/csrc/distributed/c10d/reducer.cpp`` (exposed as
-    ``torch.distributed._compute_bucket_assignment_by_size``, the oracle in our
-    tests): one open bucket per (dtype, device); a bucket closes once it reaches
-    its limit; limits apply in sequence per key, the last repeating; buckets are
-    sorted by the smallest index they hold. With ``find_unused_parameters=True``
-    torch's ``DistributedDataParallel`` fills buckets in registration order with a
-    1 MiB first limit, then reverses them (``torch/nn/parallel/distributed.py``):
-    the last layers' gradients arrive first. Otherwise torch 2.x starts with *one*
-    bucket holding everything and relies on the rebuild after the first
-    iteration; we always start from the reversed registration-order buckets, so
-    even the first iteration overlaps.
-    The buffer holds gradients only, so that a comm hook (``comm_hooks.py``) may
-    compress it: which ranks produced which gradient travels separately
-    (``unused.UsedCounts``).
+    Same rules as ``compute_bucket_assignment_by_size`` in ``reducer.cpp`` (exposed as
+    ``torch.distributed._compute_bucket_assignment_by_size``, our tests' oracle): one open bucket
+    per (dtype, device), limits applied in sequence, the last repeating. torch 2.x starts with
+    *one* bucket unless ``find_unused_parameters=True`` and relies on the rebuild; we always
+    start from reversed registration order, so even the first iteration overlaps.
 """
 
 from __future__ import annotations

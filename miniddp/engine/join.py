@@ -2,28 +2,24 @@
 
 What
     ``Join`` is a context manager around the training loop for one ``Joinable`` (``ddp.join()``).
-    Every grad-enabled forward of a rank that still has data starts with one small all-reduce,
-    the *round* (``Join.notify``): which ranks are still active, will this backward sync, is the
-    one-time bucket rebuild due. A rank out of data enters ``__exit__`` and answers rounds: for
-    each one its ``JoinHook.main_hook`` issues what the active ranks are about to issue, until a
-    round finds nobody active; then ``post_hook`` gives every rank the last finisher's model.
-    What to shadow is the joinable's to say: DDP's hook is ``ddp.DDPJoinHook``.
+    Every grad-enabled forward of a rank with data starts with one small all-reduce, the
+    *round* (``Join.notify``): who is still active, will this backward sync, is the bucket
+    rebuild due. A rank out of data answers rounds in ``__exit__``: its ``JoinHook.main_hook``
+    issues what the active ranks are about to issue, until a round finds nobody active; then
+    ``post_hook`` gives every rank the last finisher's model. DDP's hook is ``ddp.DDPJoinHook``.
 
 Why
-    Collectives match by order, not by name. With 10 batches on rank 0 and 9 on rank 1, rank 0's
-    tenth backward all-reduces its buckets while rank 1 has moved on to a barrier or a checkpoint:
-    a hang until the timeout, "Connection reset by peer", or gloo pairing differently sized
-    messages (SIGABRT "op.preamble.length <= op.nbytes"). ``drop_last=False`` with a dataset that
-    does not divide, a ``DataLoader`` that filters samples, or batches packed per rank make
-    uneven inputs common.
+    Collectives match by order, not by name: with 10 batches on rank 0 and 9 on rank 1, rank 0's
+    tenth backward all-reduces its buckets while rank 1 waits at a barrier or saves a checkpoint,
+    a hang or gloo pairing differently sized messages. ``drop_last=False``, a ``DataLoader`` that
+    filters samples or batches packed per rank make uneven inputs common.
 
 How torch differs
-    The same interface as ``torch/distributed/algorithms/join.py`` (``Join``, ``Joinable``,
-    ``JoinHook``; DDP's ``_DDPJoinHook``), driving one joinable instead of a list. torch's active
-    ranks announce themselves with an all-reduce of ones, another to say whether they sync and a
-    MAX all-reduce for the buffer source; we fold these into one all-reduce of a ``world_size + 2``
-    vector, handed to ``main_hook``. Only the joinable's collectives are shadowed: a
-    ``dist.all_reduce`` of your own (a metric) on an active rank has no partner (torch: the same).
+    The interface of ``torch/distributed/algorithms/join.py`` (``Join``, ``Joinable``,
+    ``JoinHook``; DDP's ``_DDPJoinHook``), for one joinable instead of a list. torch's active ranks
+    announce themselves, say whether they sync and pick the buffer source in three all-reduces;
+    we fold them into one of a ``world_size + 2`` vector, handed to ``main_hook``. A
+    ``dist.all_reduce`` of your own on an active rank has no partner (torch: the same).
 """
 
 from __future__ import annotations

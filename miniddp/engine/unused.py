@@ -1,39 +1,23 @@
 """Unused parameters: what a parameter without a gradient does to a bucket.
 
 What
-    ``unused_parameters(outputs, params)`` walks the autograd graph back from the
-    forward's outputs and returns the parameters it never reaches: those will get
-    no gradient in this backward. ``UnusedParameterError`` is what you get when
-    that happens and nobody said it could.
+    ``unused_parameters(outputs, params)`` walks the autograd graph back from the forward's
+    outputs and returns the parameters it never reaches. The reducer marks those ready at
+    backward start, and any still missing at its end, with ``unused_contribution``; then
+    ``UsedCounts`` (how many ranks had each gradient) is all-reduced and ``check_counts`` raises
+    ``UnusedParameterError`` or leaves ``.grad`` as it was where no rank had one.
 
 Why
-    A bucket is launched when *all* its gradients are ready. A parameter that
-    takes no part in the loss (a branch not taken, a frozen head that still has
-    ``requires_grad=True``, a mixture-of-experts expert no token chose) never
-    fires its hook, so its bucket never launches, every later bucket waits behind
-    it (they launch in order), and the ranks that did launch wait forever. With
-    ``find_unused_parameters=True`` DDP walks the graph after each forward and
-    marks such parameters ready up front, contributing zeros.
+    A bucket is sent when *all* its gradients are ready. A parameter outside the loss (a branch
+    not taken, an expert no token chose) never fires its hook, so its bucket and every later one
+    wait, and the ranks that sent theirs wait forever. ``find_unused_parameters=True`` walks the
+    graph after each forward and contributes zeros instead.
 
 How torch differs
-    torch walks the graph the same way (``Reducer::prepare_for_backward`` in
-    ``reducer.cpp``), reduces a bitmap of locally used parameters so that a
-    parameter unused on *every* rank keeps its ``.grad`` untouched, and warns if
-    the flag was set but nothing was unused. With ``find_unused_parameters=False``
-    torch notices the missing gradient only at the *next* iteration ("Expected to
-    have finished reduction in the prior iteration..."), after a silent desync. We
-    count the ranks that produced each gradient (``UsedCounts``: torch's bitmap,
-    but sent on every synced backward, after the last bucket), so every rank
-    raises at the end of the *same* backward, naming the parameters.
-
-How it runs (``reducer.py`` calls these)
-    ``prepare_for_backward``: ``unused_parameters`` walks the graph (flag on);
-    at backward start those parameters are marked ready with
-    ``unused_contribution``; at the end of backward any parameter still without
-    a gradient gets the same treatment (so no bucket waits forever); then
-    ``UsedCounts`` is all-reduced and ``check_counts`` decides: raise, or leave
-    ``.grad`` untouched where no rank had a gradient (``restore_kept`` puts back a
-    bucket-view ``.grad`` the bucket overwrote).
+    torch walks the graph the same way (``Reducer::prepare_for_backward`` in ``reducer.cpp``) and
+    reduces a bitmap of locally used parameters, only with the flag. Without it torch notices a
+    missing gradient at the *next* iteration, after a silent desync; our counts travel on every
+    synced backward, after the last bucket, so every rank raises at the end of the *same* one.
 """
 
 from __future__ import annotations

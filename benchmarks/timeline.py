@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
-from miniddp.diagnostics.trace import Tracer, plot_timeline, save_chrome_trace, step_summary
+from miniddp.diagnostics.timeline import plot_timeline
+from miniddp.diagnostics.trace import Tracer, save_chrome_trace, step_summary
 from miniddp.testing import run_on_ranks
 
 HERE = Path(__file__).parent

@@ -74,7 +74,7 @@ def test_bucket_layout_and_views():
     b.put(0, torch.full((2, 3), 4.0), divisor=2)  # copied and divided by the world size in one pass
     b.put(1, None, divisor=2)  # no gradient here: zeros
     assert torch.equal(b.views[0], torch.full((2, 3), 2.0)) and torch.equal(b.views[1], torch.zeros(4))
-    hooked = b.for_hook(is_last=True, pre_divided=True)  # what a comm hook sees: torch's GradBucket methods
+    hooked = b.for_hook(is_last=True)  # what a comm hook sees: torch's GradBucket methods
     assert hooked.buffer() is b.buffer and hooked.index() == 0 and hooked.is_last()
     assert [g.shape for g in hooked.gradients()] == [(2, 3), (4,)] and hooked.parameters() == params
 

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
 from miniddp import comm_hooks
-from miniddp.comm_hooks import GradBucket, count_bytes, default_hooks
+from miniddp.comm_hooks import GradBucket, call_order, count_bytes
 from miniddp.comm_hooks.powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook, powersgd_reference
 from miniddp.testing import run_on_ranks
 from models import MODELS
@@ -333,6 +333,6 @@ def test_default_path_overlaps_buckets_and_other_hooks_go_one_at_a_time():
     assert buckets == 7 and seen == list(range(7)), seen  # rank 1 held back: nothing finished, all launched
     [(seen, buckets), _] = run_on_ranks(_pending_at_each_call, 2, args=(True,), timeout=60)
     assert seen == [0] * 7, seen
-    assert default_hooks.issues_everything_in_call(torch_hooks.fp16_compress_hook)
-    assert not default_hooks.issues_everything_in_call(powerSGD_hook)
-    assert not default_hooks.issues_everything_in_call(torch_powersgd.powerSGD_hook)
+    assert call_order.issues_everything_in_call(torch_hooks.fp16_compress_hook)
+    assert not call_order.issues_everything_in_call(powerSGD_hook)
+    assert not call_order.issues_everything_in_call(torch_powersgd.powerSGD_hook)

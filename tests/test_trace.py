@@ -11,7 +11,9 @@ import torch.nn.functional as F
 
 import miniddp
 from miniddp.testing import backend_params, run_on_ranks
-from miniddp.diagnostics.trace import Tracer, plot_timeline, save_chrome_trace, step_summary, to_chrome_trace
+from miniddp.diagnostics.timeline import plot_timeline
+from miniddp.diagnostics.trace import Tracer, save_chrome_trace, step_summary, to_chrome_trace
+from miniddp.engine.observers import ReducerObserver
 from models import MODELS
 
 
@@ -58,7 +60,7 @@ def test_events_include_a_finish_whose_callback_still_runs_when_backward_returns
     tracer = Tracer(0)
     fut = torch.futures.Future()
     fut.then(lambda f: time.sleep(0.5))
-    tracer.bucket_launched(SimpleNamespace(index=0, nbytes=4, params=[0], work=SimpleNamespace(get_future=lambda: fut)))
+    tracer.bucket_launched(SimpleNamespace(index=0, nbytes=4, params=[0]), fut)
     threading.Thread(target=fut.set_result, args=(torch.zeros(1),)).start()
     fut.wait()  # what the reducer waits for before backward returns
     assert [e["name"] for e in tracer.events] == ["bucket launched", "bucket finished"]
@@ -68,7 +70,7 @@ def test_a_finish_recorded_after_its_backward_ended_is_dated_at_that_end():
     # the reducer waits for every bucket before it ends the backward: a later "finished" is a late callback
     tracer, fut = Tracer(0), torch.futures.Future()
     tracer.event("backward start")
-    tracer.bucket_launched(SimpleNamespace(index=0, nbytes=4, params=[0], work=SimpleNamespace(get_future=lambda: fut)))
+    tracer.bucket_launched(SimpleNamespace(index=0, nbytes=4, params=[0]), fut)
     tracer.event("backward end")
     time.sleep(0.05)
     fut.set_result(torch.zeros(1))  # its callbacks run here, after the end
@@ -132,3 +134,42 @@ def test_chrome_trace_has_forward_and_optimizer_spans():
     names = [s["name"] for s in spans]
     assert sorted(names) == ["all-reduce bucket 0", "all-reduce bucket 1", "backward", "forward", "optimizer"]
     assert next(s for s in spans if s["name"] == "forward")["dur"] == 1.5e6
+
+
+class _Recorder(ReducerObserver):
+    """Any observer gets the reducer's named events; this one writes down their names."""
+
+    def __init__(self):
+        self.seen = []
+
+    def backward_started(self):
+        self.seen.append("backward started")
+
+    def grad_ready(self, index, name):
+        self.seen.append(f"ready {name}")
+
+    def bucket_launched(self, bucket, future):
+        self.seen.append(f"bucket {bucket.index}")
+
+    def backward_ended(self):
+        self.seen.append("backward ended")
+
+
+def _observed(rank, world_size):
+    torch.manual_seed(0)
+    recorder = _Recorder()
+    ddp = miniddp.DistributedDataParallel(MODELS["mlp"](), bucket_cap_mb=0.0001, tracer=recorder)
+    F.mse_loss(ddp(torch.randn(4, 8)), torch.zeros(4, 4)).backward()
+    buckets = len(ddp.bucket_assignment)  # the next forward rebuilds them
+    with ddp.no_sync():  # a local backward: nothing to observe
+        F.mse_loss(ddp(torch.randn(4, 8)), torch.zeros(4, 4)).backward()
+    return recorder.seen, [n for n, _ in ddp.module.named_parameters()], buckets
+
+
+def test_an_observer_sees_one_synced_backward_as_named_events_in_order():
+    for seen, names, buckets in run_on_ranks(_observed, 2, timeout=60):
+        assert seen[0] == "backward started" and seen[-1] == "backward ended" and seen.count("backward ended") == 1
+        assert sorted(e[6:] for e in seen if e.startswith("ready ")) == sorted(names)  # each gradient, once
+        assert [e for e in seen if e.startswith("bucket ")] == [f"bucket {b}" for b in range(buckets)]
+        first_launch = seen.index("bucket 0")
+        assert 1 < first_launch < len(seen) - 2  # bucket 0 went out while gradients were still arriving

@@ -4,8 +4,9 @@ What
     A comm hook is ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]``: it receives one
     bucket (``grad_bucket.GradBucket``), starts whatever communication it likes and returns a
     future of the averaged flat buffer, which the reducer writes back into ``.grad``. The default
-    hooks (``default_hooks.py``), PowerSGD (``powersgd.py``) and a byte counter
-    (``byte_count.py``) live beside the contract; ``hook_by_name`` maps Accelerate's names to hooks.
+    hooks (``default_hooks.py``), PowerSGD (``powersgd.py``), when a hook may get the next bucket
+    (``call_order.py``) and a byte counter (``byte_count.py``) live beside the contract;
+    ``hook_by_name`` maps Accelerate's names to hooks.
 
 Why
     The hook is the one place to change what crosses the wire without touching the bucketing,

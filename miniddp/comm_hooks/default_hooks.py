@@ -1,10 +1,9 @@
 """The default hooks: average a bucket at full precision, or in float16 / bfloat16.
 
 What
-    ``allreduce_hook`` is what DDP does without a hook; ``fp16_compress_hook`` and
-    ``bf16_compress_hook`` send half the bytes and cast the average back.
-    ``issues_everything_in_call`` tells the reducer which hooks issue all their collectives
-    inside the call (these) and which may issue more from a future's callback (PowerSGD).
+    ``allreduce_hook`` averages a bucket as torch's does: divide by the group size, all-reduce
+    SUM. ``fp16_compress_hook`` and ``bf16_compress_hook`` send half the bytes and cast the
+    average back. A hook gets the bucket undivided and divides it itself (torch's contract).
 
 Why
     On a slow link the all-reduce is the step: halving its bytes halves that part.
@@ -30,11 +29,11 @@ def _group(process_group):
 
 # --8<-- [start:allreduce]
 def allreduce_hook(process_group, bucket) -> torch.futures.Future:
-    """Average the bucket: divide by the world size, sum over ranks. Without a hook, DDP does this."""
+    """Average the bucket: divide by the group size, then sum over ranks (torch's ``allreduce_hook``).
+    DDP without a hook gives the same mean, dividing as it copies each gradient in (``Bucket.put``)."""
     group = _group(process_group)
     tensor = bucket.buffer()
-    if not getattr(bucket, "pre_divided", False):  # the reducer divided while copying in: not twice
-        tensor.div_(group.size())  # before the sum, as torch does: no overflow in low precision
+    tensor.div_(group.size())  # mean = sum / N, divided first as torch does: no overflow in low precision
     return all_reduce(tensor, group).then(lambda fut: fut.value()[0])
 # --8<-- [end:allreduce]
 
@@ -61,18 +60,3 @@ def bf16_compress_hook(process_group, bucket) -> torch.futures.Future:
     """Send bfloat16: float32's range, 7 mantissa bits. gloo sums bfloat16 (torch 2.13; torch's hook refuses gloo)."""
     return _compress_hook(torch.bfloat16, process_group, bucket)
 # --8<-- [end:compress]
-
-
-# --8<-- [start:in_call]
-def issues_everything_in_call(hook) -> bool:
-    """Does ``hook`` issue all its collectives before it returns (none from a future's callback)? Then the
-    reducer may hand bucket k+1 over while bucket k still travels: the order of issue is the order of calls.
-    True for the default path and the compression hooks (ours and torch's); PowerSGD is not."""
-    if hook in (allreduce_hook, fp16_compress_hook, bf16_compress_hook):
-        return True
-    try:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as theirs
-    except ImportError:  # a torch without comm hooks
-        return False
-    return hook in (theirs.allreduce_hook, theirs.fp16_compress_hook)
-# --8<-- [end:in_call]

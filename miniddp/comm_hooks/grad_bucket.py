@@ -3,7 +3,8 @@
 What
     ``GradBucket`` has the methods of ``torch.distributed.GradBucket`` (``index()``,
     ``buffer()``, ``gradients()``, ``parameters()``, ``is_last()``, ``set_buffer()``), so
-    torch's own hooks run unchanged. ``hook_result`` checks what a hook's future holds.
+    torch's own hooks run unchanged. ``checked_future`` checks what a hook returns, ``hook_result``
+    what its future holds.
 
 Why
     The hook is the one place to change what crosses the wire (compression, another
@@ -24,13 +25,12 @@ class GradBucket:
     """One bucket as a comm hook sees it: the methods of ``torch.distributed.GradBucket``."""
 
     def __init__(self, index: int, buffer: torch.Tensor, gradients: list[torch.Tensor],
-                 parameters: list[torch.Tensor], is_last: bool, pre_divided: bool = False):
+                 parameters: list[torch.Tensor], is_last: bool):
         self._index = index  # position in reduction order
         self._buffer = buffer  # the flat gradients, all of this bucket's parameters end to end
         self._gradients = gradients  # views into the buffer, shaped like the parameters
         self._parameters = parameters
         self._is_last = is_last  # hooks with per-step state (PowerSGD) count steps on the last bucket
-        self.pre_divided = pre_divided  # miniddp only: already divided by the world size (the default path)
 
     def index(self) -> int:
         return self._index
@@ -54,6 +54,15 @@ class GradBucket:
 
 def hook_name(hook) -> str:
     return getattr(hook, "__qualname__", repr(hook))
+
+
+def checked_future(hook, future, index: int):
+    """``future``, if ``hook`` returned one for bucket ``index``; else a TypeError saying what a hook returns."""
+    if not isinstance(future, torch._C.Future):
+        raise TypeError(f"comm hook {hook_name(hook)} returned {type(future).__name__} for bucket {index}: a hook "
+                        "returns a torch.futures.Future of the averaged bucket, e.g. "
+                        "dist.all_reduce(bucket.buffer(), async_op=True).get_future()")
+    return future
 
 
 def hook_result(hook, index: int, value, buffer: torch.Tensor) -> torch.Tensor:

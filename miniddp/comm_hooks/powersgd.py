@@ -1,42 +1,25 @@
 """PowerSGD: send two thin matrices instead of each gradient matrix.
 
 What
-    ``powerSGD_hook`` (with a ``PowerSGDState``) compresses each gradient matrix
-    M (n x m) of a bucket to rank r: with a shared Q (m x r), P = M Q is summed
-    over ranks, orthogonalised (Gram-Schmidt), then Q = M^T P is averaged over
-    ranks, and M is replaced by P Q^T. That is (n + m) r numbers on the wire
-    instead of n m. Vectors (biases, norms) and matrices too small to gain
-    ``min_compression_rate`` are averaged uncompressed, in the same all-reduce as
-    P. ``batched_powerSGD_hook`` compresses the whole bucket as one square matrix.
-    ``powersgd_reference`` is the algorithm on one process, on the sum of the
-    ranks' gradients: the tests hold the hook to it.
+    ``powerSGD_hook`` compresses each gradient matrix M (n x m) of a bucket to rank r: with a
+    shared Q (m x r), P = M Q is summed over ranks and orthogonalised, Q = M^T P is averaged, and
+    M becomes P Q^T: (n + m) r numbers on the wire instead of n m. Vectors and matrices too small
+    to gain ``min_compression_rate`` travel uncompressed, in P's all-reduce.
+    ``batched_powerSGD_hook`` compresses the whole bucket as one square matrix;
+    ``powersgd_reference`` is the algorithm on one process, the tests' oracle.
 
 Why
-    One step of power iteration from last step's Q (*warm start*) tracks the top
-    r singular directions of the gradient, which change slowly; *error feedback*
-    adds what compression dropped to the next step's gradient, so nothing is lost
-    for good, only delayed. Both are what make rank 1-4 train as well as full
-    all-reduce (Vogels, Karimireddy, Jaggi, "PowerSGD: Practical Low-Rank
-    Gradient Compression for Distributed Optimization", NeurIPS 2019,
-    arXiv 1905.13727, Algorithms 1 and 2). The first ``start_powerSGD_iter``
-    steps use plain all-reduce: early training is sensitive to compression.
+    One power-iteration step from last step's Q (*warm start*) tracks the top r singular
+    directions, which change slowly; *error feedback* adds what compression dropped to the next
+    step's gradient. Both make rank 1-4 train as well as full all-reduce (Vogels, Karimireddy,
+    Jaggi, NeurIPS 2019, arXiv 1905.13727, Algorithms 1 and 2).
 
 How torch differs
-    Same state (``PowerSGDState``, same arguments and seeding, so the same seed
-    draws the same Q) and the same arithmetic as
-    ``torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py``, in a
-    fraction of the code. Differences: ours sends the uncompressed tensors and P in
-    *one* all-reduce (torch: two, one after the other); ours keeps error feedback
-    only for compressed matrices (torch keeps it for the whole bucket, where an
-    uncompressed tensor's "error" is local minus mean, which sums to zero over
-    ranks: the same averages); ours always orthogonalises by Gram-Schmidt (torch
-    uses QR above rank 2; the result P P^T M does not depend on the basis).
-    ``batch_tensors_with_same_shape`` is accepted and does not change results.
-    Both issue the Q all-reduce from a future callback: torch's reducer lets the
-    next bucket's hook run meanwhile, so ranks may issue P and Q of different
-    buckets in different orders, which gloo cannot pair (a hang, with many
-    buckets); miniddp's reducer hands a bucket to the hook only after the
-    previous bucket's future completed (``reducer.py``).
+    Same state, seeding and arithmetic as ``powerSGD_hook.py``, in a fraction of the code; ours
+    sends the uncompressed tensors with P in *one* all-reduce (torch: two), keeps error feedback
+    for compressed matrices only (the same averages) and always orthogonalises by Gram-Schmidt.
+    Both issue Q's all-reduce from a future callback: torch's reducer can then pair collectives
+    of different buckets on gloo and hang; ours waits its turn (``call_order.py``).
 """
 
 from __future__ import annotations

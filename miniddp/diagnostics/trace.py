@@ -1,37 +1,24 @@
 """Tracing: see communication overlap backward, instead of taking it on faith.
 
 What
-    A ``Tracer`` records per-rank events with a monotonic clock: backward start,
-    each gradient ready, each bucket launched and finished, backward end, and the
-    spans you wrap in ``tracer.span("forward")`` / ``tracer.span("optimizer")``.
-    ``to_chrome_trace`` turns the events of all ranks into the JSON that
-    ``chrome://tracing`` and Perfetto open; ``step_summary`` measures one step
-    (how much communication ran *after* the backward's compute: the exposed
-    part); ``plot_timeline`` draws it (PNG or SVG, from the file name): per rank a
-    compute row (forward, backward, wait + copy-back, optimizer) and a
-    communication row (one colour per bucket, the same on every rank), the
-    exposed communication shaded and totalled.
+    A ``Tracer`` records per-rank events with a clock the ranks share: backward start, each
+    gradient ready, each bucket launched and finished, backward end (it observes the reducer,
+    ``engine.observers``, which knows nothing of it), and the spans you wrap in
+    ``tracer.span("forward")``. ``to_chrome_trace`` makes the JSON that Perfetto opens;
+    ``step_summary`` measures one step, how much communication ran *after* the backward's
+    compute (the exposed part); ``timeline.plot_timeline`` draws it.
 
 Why
-    "Overlap" is a claim about time. A timeline shows it: bucket 0's all-reduce
-    bar starting while the backward bar is still running is the whole point of
-    bucketing (the DDP paper's Fig. 7; the Ultra-Scale Playbook's DP chapter
-    draws the same picture). What is not hidden is what a bigger or smaller
+    "Overlap" is a claim about time. What is not hidden behind the backward is what another
     ``bucket_cap_mb`` can win back (``miniddp.engine.costmodel`` predicts it).
 
 How torch differs
-    ``torch.profiler`` records the same story at kernel level (look for
-    ``nccl:all_reduce`` / ``gloo:all_reduce`` rows overlapping
-    ``autograd::engine`` rows), with far more detail and far more noise. torch's
-    DDP keeps five timestamps per sampled iteration instead
-    (``_get_ddp_logging_data()``: ``backward_comm_time`` from the first bucket's
-    launch to the end of its finalize, ``backward_compute_comm_overlap_time``
-    until backward's compute ends); ``step_summary`` computes the same two from
-    our events. A bucket's finish time comes from its work's future callback,
-    which fires when the collective completes on gloo's worker thread. On CUDA
-    that callback fires at *enqueue*, so ``Tracer(device="cuda")`` records CUDA
-    events instead (in the callback, on the stream that waits for NCCL) and
-    ``synchronize()`` turns them into times.
+    ``torch.profiler`` records the same story kernel by kernel. torch's DDP keeps timestamps per
+    sampled iteration (``_get_ddp_logging_data()``: ``backward_comm_time``,
+    ``backward_compute_comm_overlap_time``); ``step_summary`` computes the same two. A bucket's
+    finish comes from its future's callback, which fires when gloo's collective completes; on
+    CUDA it fires at *enqueue*, so ``Tracer(device="cuda")`` records CUDA events on the stream
+    that waits for NCCL and ``synchronize()`` turns them into times.
 """
 
 from __future__ import annotations
@@ -43,9 +30,12 @@ import time
 
 import torch
 
+from ..engine.observers import ReducerObserver
 
-class Tracer:
-    """Collects one rank's events; ``events`` is a list of dicts (picklable)."""
+
+class Tracer(ReducerObserver):
+    """Collects one rank's events; ``events`` is a list of dicts (picklable). Pass it to
+    ``DistributedDataParallel(tracer=...)``: it observes the reducer's events (``engine.observers``)."""
 
     def __init__(self, rank: int = 0, device=None):
         self.rank = rank  # the rank these events belong to (a row group in the trace)
@@ -83,7 +73,14 @@ class Tracer:
         finally:
             self.event(f"{name} end")
 
-    def bucket_launched(self, bucket) -> None:
+    # the reducer's events (engine.observers.ReducerObserver)
+    def backward_started(self) -> None:
+        self.event("backward start")
+
+    def grad_ready(self, index: int, name: str) -> None:
+        self.event("grad ready", param=name)
+
+    def bucket_launched(self, bucket, future) -> None:
         info = {"bucket": bucket.index, "bytes": bucket.nbytes, "params": len(bucket.params)}
         self.event("bucket launched", **info)
 
@@ -91,7 +88,10 @@ class Tracer:
             self.event("bucket finished", **info)
             return fut.value()  # hand the result on unchanged
 
-        self._finishing.append(bucket.work.get_future().then(finished))
+        self._finishing.append(future.then(finished))
+
+    def backward_ended(self) -> None:
+        self.event("backward end")
 
     @property
     def events(self) -> list[dict]:
@@ -146,7 +146,7 @@ def _date_late_finishes(events: list[dict]) -> None:
             e["t"] = min(e["t"], ended.pop(e["bucket"]))
 
 
-def _spans(events: list[dict]) -> list[tuple[str, float, float, dict]]:
+def spans(events: list[dict]) -> list[tuple[str, float, float, dict]]:
     """(name, start, end, fields) for backward, every ``span``, and each bucket's all-reduce."""
     spans, open_ = [], {}
     for e in sorted(events, key=lambda e: e["t"]):
@@ -167,7 +167,7 @@ def to_chrome_trace(events_per_rank: list[list[dict]]) -> dict:
     """Chrome trace JSON: one process per rank; backward, spans and each bucket's all-reduce."""
     out = []
     for events in events_per_rank:
-        for name, start, end, e in _spans(events):
+        for name, start, end, e in spans(events):
             bucket = name.startswith("all-reduce")
             args = {"args": {"bytes": e["bytes"], "params": e["params"]}} if bucket else {}
             out.append(dict(name=name, ph="X", ts=start * 1e6, dur=(end - start) * 1e6, pid=e["rank"],
@@ -195,7 +195,7 @@ def step_summary(events: list[dict]) -> dict:
     for e in sorted(events, key=lambda e: e["t"]):
         first.setdefault(e["name"], e["t"])
     ready = [e["t"] for e in events if e["name"] == "grad ready"]
-    buckets = [(s, t) for n, s, t, _ in _spans(events) if n.startswith("all-reduce")]
+    buckets = [(s, t) for n, s, t, _ in spans(events) if n.startswith("all-reduce")]
     start, end = first["backward start"], first["backward end"]
     compute_end = max(ready, default=start)  # backward computes until its last gradient is ready
     busy, exposed, reach = 0.0, 0.0, float("-inf")  # union of the bucket intervals (they may overlap)
@@ -214,89 +214,3 @@ def step_summary(events: list[dict]) -> dict:
             # what torch's logger reports for this step (reducer.cpp's timer, in seconds here)
             "torch_backward_comm_s": end - first_launch, "torch_overlap_s": max(0.0, compute_end - first_launch)}
 # --8<-- [end:summary]
-
-
-def bucket_colours(n: int) -> list:
-    """One colour per bucket: tab10 without its blue (backward) and red (exposed); a gradient beyond 8."""
-    import matplotlib
-
-    if n <= 8:
-        return [f"tab:{c}" for c in ("orange", "green", "purple", "brown", "pink", "gray", "olive", "cyan")][:n]
-    return [matplotlib.colormaps["viridis"](b / (n - 1)) for b in range(n)]
-
-
-def plot_timeline(events_per_rank, path, title: str = "one DDP step") -> dict:
-    """Draw one step per rank (PNG or SVG, from ``path``'s suffix); returns each rank's ``step_summary``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    t0 = min(e["t"] for events in events_per_rank for e in events)
-    ms = lambda t: (t - t0) * 1e3  # noqa: E731
-    n_buckets = 1 + max((e["bucket"] for ev in events_per_rank for e in ev if "bucket" in e), default=0)
-    bucket_colour = lambda b: bucket_colours(n_buckets)[b]  # noqa: E731  (the same on every rank)
-    compute = {"forward": "#9ecae1", "backward": "#3182bd", "finalize": "#d9d9d9", "optimizer": "#756bb1"}
-    fig, ax = plt.subplots(figsize=(11, 1.6 + 1.3 * len(events_per_rank)))
-    span_ms = max(e["t"] for events in events_per_rank for e in events) * 1e3 - t0 * 1e3
-    summaries, labels = [], []
-    for rank, events in enumerate(events_per_rank):
-        s = step_summary(events)
-        summaries.append(s)
-        y_comp, y_comm = 2 * rank, 2 * rank + 1
-        first = {}
-        for e in sorted(events, key=lambda e: e["t"]):
-            first.setdefault(e["name"], e["t"])
-        compute_end = first["backward start"] + s["backward_compute_s"]
-        buckets = sorted(((start, end, e["bucket"]) for name, start, end, e in _spans(events)
-                          if name.startswith("all-reduce")))
-        lanes: list[float] = []  # buckets in flight at once get lanes of their own: no bar hides another
-        placed = []
-        for start, end, b in buckets:
-            lane = next((i for i, free in enumerate(lanes) if free <= start), len(lanes))
-            lanes[lane:lane + 1] = [end]
-            placed.append((start, end, b, lane))
-        height = 0.7 / max(1, len(lanes))
-        for start, end, b, lane in placed:
-            y = y_comm - 0.35 + height * (lane + 0.5)
-            ax.barh(y, ms(end) - ms(start), left=ms(start), height=height, color=bucket_colour(b),
-                    edgecolor="black", linewidth=0.4, zorder=2)
-            if ms(end) - ms(start) > 0.018 * span_ms:  # its number on it, where it fits
-                ax.text((ms(start) + ms(end)) / 2, y, str(b), ha="center", va="center", fontsize=10, zorder=4)
-        for name, start, end, e in _spans(events):
-            if name == "backward":  # compute until the last gradient, then wait + copy back
-                ax.barh(y_comp, ms(compute_end) - ms(start), left=ms(start), height=0.7, color=compute["backward"])
-                ax.barh(y_comp, ms(end) - ms(compute_end), left=ms(compute_end), height=0.7,
-                        color=compute["finalize"])
-            elif name in compute:
-                ax.barh(y_comp, ms(end) - ms(start), left=ms(start), height=0.7, color=compute[name])
-        if "optimizer step" in first and "optimizer start" not in first:  # an instant: a thin bar
-            ax.barh(y_comp, 0.3, left=ms(first["optimizer step"]), height=0.7, color=compute["optimizer"])
-        if s["exposed_comm_s"] > 0:  # the communication nothing hides: shaded *behind* the bars, underlined
-            last = compute_end + s["exposed_comm_s"]
-            ax.fill_between([ms(compute_end), ms(last)], y_comm - 0.45, y_comm + 0.45, facecolor=(1, 0, 0, 0.12),
-                            hatch="///", edgecolor=(1, 0, 0, 0.5), linewidth=0, zorder=1)
-            ax.plot([ms(compute_end), ms(last)], [y_comm + 0.47] * 2, color="red", linewidth=2.5,
-                    solid_capstyle="butt", zorder=3)
-            ax.text(ms(last), y_comm, f"  exposed {s['exposed_comm_s'] * 1e3:.1f} ms", color="darkred",
-                    fontsize=10, va="center", ha="left")
-        labels += [f"rank {rank} compute", f"rank {rank} all-reduce"]
-    ax.set_yticks(range(len(labels)), labels, fontsize=10)
-    ax.invert_yaxis()
-    ax.set_xlabel("ms since the step began", fontsize=10)
-    exposed = ", ".join(f"rank {r} {s['exposed_comm_s'] * 1e3:.1f} ms" for r, s in enumerate(summaries))
-    ax.set_title(f"{title}\nexposed communication (after the rank's last gradient): {exposed}", fontsize=11)
-    ax.set_xlim(right=ax.get_xlim()[1] * 1.08)  # room for the labels
-    handles = [Patch(color=c, label={"finalize": "wait + copy-back"}.get(k, k)) for k, c in compute.items()]
-    shown = range(n_buckets) if n_buckets <= 8 else (0, 1, n_buckets - 1)  # a gradient: its ends suffice
-    handles += [Patch(facecolor=bucket_colour(b), edgecolor="black", label=f"bucket {b}") for b in shown]
-    handles.append(Patch(facecolor=(1, 0, 0, 0.12), hatch="///", edgecolor="red", label="exposed communication"))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.5 / len(events_per_rank)),
-              ncol=min(8, len(handles)), fontsize=10, frameon=False)
-    ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    with plt.rc_context({"svg.fonttype": "none"}):  # SVG text stays text: selectable, sharp at any size
-        fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return summaries

@@ -1,35 +1,24 @@
 """``bucket_cap_mb="auto"``: the cost model picks the bucket size at the one-time rebuild.
 
 What
-    ``AutoBucketCap`` rides along with the reducer. During the first synced
-    backward it records, per parameter, when its gradient became ready
-    (``time.perf_counter()`` from the backward's start). At the rebuild (before
-    the second synced forward, where every rank already meets for the bucket-order
-    broadcast) ``choose`` runs on every rank: a short all-reduce sweep on the live
-    group (``measure_all_reduce``, 4 KiB..16 MiB, 3 repetitions) fitted to α–β,
-    the ranks' ready times gathered and combined with ``StepProfile.slowest``,
-    ``best_bucket_cap_mb`` over ``CANDIDATE_CAPS``, and rank 0's pick broadcast.
-    ``choose_bucket_cap_mb`` is the pure part (a profile and a fit in, an
-    ``AutoChoice`` out), so a test can hand it made-up numbers.
+    ``AutoBucketCap`` observes the reducer (``observers.ReducerObserver``): during the first
+    synced backward it records when each gradient became ready. At the rebuild DDP calls
+    ``choose`` on every rank: a short all-reduce sweep on the live group (4 KiB..16 MiB) fitted
+    to α–β, the ranks' ready times combined (``StepProfile.slowest``), ``best_bucket_cap_mb``
+    over ``CANDIDATE_CAPS``, and rank 0's pick broadcast. ``choose_bucket_cap_mb`` is the pure
+    part (a profile and a fit in, an ``AutoChoice`` out), so a test can feed it made-up numbers.
 
 Why
-    The best cap depends on the model (how gradients arrive), the network (α, β)
-    and whether communication really overlaps the backward; ``docs/costmodel.md``
-    measures all three. A user who does not want to run that page's benchmark
-    gets its answer from the first step.
-
-    ``overlap_cost``: on a CPU, gloo's threads and the backward share the cores.
-    ``measure_overlap_cost`` found 0.51–1.00 across six runs on this machine, and
-    the no-overlap closed form (``overlap_cost=1``) was within ±15% of the
-    measured step at every cap while free overlap was up to 28% optimistic; so
-    CPU tensors get 1.0 (no measurement: it would add noise and time), CUDA
-    tensors 0.0 (NCCL runs on its own stream). With 1.0 the model reduces to
-    "fewest buckets" and the ready times only set the backward's length.
+    The best cap depends on the model (how gradients arrive), the network (α, β) and whether
+    communication really overlaps the backward (``docs/costmodel.md`` measures all three). On a
+    CPU gloo's threads and the backward share the cores, so CPU tensors assume no overlap
+    (``overlap_cost=1``: the model then favours fewest buckets); CUDA tensors assume free overlap
+    (NCCL runs on its own stream).
 
 How torch differs
-    torch has no such option: ``bucket_cap_mb`` is a number you pick (Hugging
-    Face: ``ddp_bucket_cap_mb``). torch's reducer records ready times too
-    (``backward_stats_``) but only reports them (``_get_ddp_logging_data``).
+    torch has no such option: ``bucket_cap_mb`` is a number you pick (Hugging Face:
+    ``ddp_bucket_cap_mb``). torch's reducer records ready times too (``backward_stats_``) but
+    only reports them (``_get_ddp_logging_data``).
 """
 
 from __future__ import annotations
@@ -40,8 +29,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..process_group.desync import issued_as
 from .alpha_beta import AlphaBeta, fit_alpha_beta, measure_all_reduce
 from .costmodel import best_bucket_cap_mb
+from .observers import ReducerObserver
 from .step_profile import StepProfile
 
 CANDIDATE_CAPS = (0.25, 0.5, 1, 2, 4, 8, 16, 25, 50, 100)  # MiB; the first wins a tie
@@ -93,8 +84,8 @@ def profile_from_ready(ready_by_rank: list, params) -> StepProfile:
 # --8<-- [end:choose]
 
 
-class AutoBucketCap:
-    """The reducer's companion for ``bucket_cap_mb="auto"``: records ready times, then chooses once."""
+class AutoBucketCap(ReducerObserver):
+    """``bucket_cap_mb="auto"``: observes the first synced backward's ready times, then chooses once."""
 
     def __init__(self, overlap_cost: float | None = None, caps=CANDIDATE_CAPS):
         self.overlap_cost = overlap_cost  # None: default_overlap_cost of the parameters' device
@@ -108,9 +99,9 @@ class AutoBucketCap:
         if self.recording and self.t0 is None:
             self.t0 = time.perf_counter()
 
-    def grad_ready(self, i: int) -> None:
+    def grad_ready(self, index: int, name: str) -> None:
         if self.recording and self.t0 is not None:
-            self.ready_s.setdefault(i, time.perf_counter() - self.t0)
+            self.ready_s.setdefault(index, time.perf_counter() - self.t0)
 
     def backward_ended(self) -> None:
         self.recording = False
@@ -119,7 +110,20 @@ class AutoBucketCap:
         """A resumed run: the cap the interrupted run chose, no measurement."""
         self.choice = AutoChoice(cap_mb, float("nan"), None, {}, {})
 
+    def layout_state(self) -> dict:
+        """What a resumed run needs: the cap chosen, else the ready times recorded so far."""
+        return {"auto_bucket_cap_mb": self.choice.cap_mb if self.choice is not None else None,
+                "auto_ready_s": sorted(self.ready_s.items())}
+
+    def load_layout_state(self, state: dict) -> None:
+        if state.get("auto_bucket_cap_mb") is not None:
+            self.restore(state["auto_bucket_cap_mb"])  # the interrupted run's choice: no re-measuring
+        elif state.get("auto_ready_s"):
+            self.ready_s = {int(i): float(t) for i, t in state["auto_ready_s"]}  # saved before the rebuild
+            self.recording = False
+
     # --8<-- [start:collective]
+    @issued_as("bucket order broadcast")  # part of the rebuild, as a desync message names it
     def choose(self, params, group) -> float:
         """Every rank of ``group`` together (a joined rank too, shadowing the rebuild): the agreed cap."""
         if self.choice is not None:

@@ -1,36 +1,24 @@
 """Gradient bucketing: few large all-reduces, launched while backward still runs.
 
 What
-    ``compute_bucket_assignment`` groups parameters into buckets of about
-    ``bucket_cap_mb``; a ``Bucket`` owns one flat buffer that its gradients are
-    copied into (or that ``.grad`` is a view of, ``gradient_as_bucket_view``);
-    ``Reducer`` (in ``reducer.py``) hands each bucket to the communication hook
-    (an all-reduce by default) as soon as its last gradient is ready.
+    ``compute_bucket_assignment`` groups parameters into buckets of about ``bucket_cap_mb``; a
+    ``Bucket`` owns one flat buffer its gradients are copied into, divided by N on the default
+    path (``put``: mean = sum / N), or that ``.grad`` is a view of (``gradient_as_bucket_view``);
+    ``write_back`` is the one place that sets ``.grad``. ``reducer.py`` sends each bucket as soon
+    as its last gradient is ready.
 
 Why
-    One all-reduce per parameter pays a fixed latency hundreds of times per step;
-    one all-reduce of everything after backward cannot start until the last
-    gradient exists. Buckets are the middle: large enough to amortise the latency,
-    small enough that the first ones can travel while backward computes the
-    rest (Li et al., "PyTorch Distributed", VLDB 2020, arXiv 2006.15704, §3.2.3;
-    Fig. 2 there measures the latency/size trade-off).
+    One all-reduce per parameter pays a fixed latency hundreds of times per step; one of
+    everything after backward cannot start until the last gradient exists. Buckets are the
+    middle: large enough to amortise the latency, small enough that the first ones travel while
+    backward computes the rest (the DDP paper, arXiv 2006.15704, §3.2.3 and Fig. 2).
 
 How torch differs
-    Same rules as ``compute_bucket_assignment_by_size`` in
-    ``torch/csrc/distributed/c10d/reducer.cpp`` (exposed as
-    ``torch.distributed._compute_bucket_assignment_by_size``, the oracle in our
-    tests): one open bucket per (dtype, device); a bucket closes once it reaches
-    its limit; limits apply in sequence per key, the last repeating; buckets are
-    sorted by the smallest index they hold. With ``find_unused_parameters=True``
-    torch's ``DistributedDataParallel`` fills buckets in registration order with a
-    1 MiB first limit, then reverses them (``torch/nn/parallel/distributed.py``):
-    the last layers' gradients arrive first. Otherwise torch 2.x starts with *one*
-    bucket holding everything and relies on the rebuild after the first
-    iteration; we always start from the reversed registration-order buckets, so
-    even the first iteration overlaps.
-    The buffer holds gradients only, so that a comm hook (``comm_hooks.py``) may
-    compress it: which ranks produced which gradient travels separately
-    (``unused.UsedCounts``).
+    Same rules as ``compute_bucket_assignment_by_size`` in ``reducer.cpp`` (exposed as
+    ``torch.distributed._compute_bucket_assignment_by_size``, our tests' oracle): one open bucket
+    per (dtype, device), limits applied in sequence, the last repeating. torch 2.x starts with
+    *one* bucket unless ``find_unused_parameters=True`` and relies on the rebuild; we always
+    start from reversed registration order, so even the first iteration overlaps.
 """
 
 from __future__ import annotations
@@ -123,8 +111,11 @@ class Bucket:
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
 
+    # --8<-- [start:mean]
     def put(self, k: int, grad, divisor: int = 1) -> None:
-        """Write parameter k's gradient (``None``: zeros), divided by ``divisor`` in the same pass."""
+        """Write parameter k's gradient (``None``: zeros) into the bucket. The default path passes
+        the world size N as ``divisor``: mean = sum / N, divided here, on the way in, in the same
+        pass as the copy, so that a plain SUM all-reduce of the bucket is the mean (torch: the same)."""
         view = self.views[k]
         if grad is None:  # no gradient on this rank: contribute zeros
             view.zero_()
@@ -135,30 +126,31 @@ class Bucket:
             torch.div(grad, divisor, out=view)  # copy and divide in one pass
         else:
             view.copy_(grad)
+    # --8<-- [end:mean]
 
-    def write_back(self, result: torch.Tensor, counts: list[int], kept: dict, as_view: bool) -> None:
-        """The one place that sets ``.grad``: a hook's averaged ``result`` (this bucket's layout) into the
-        parameters' gradients. ``counts[i]``: ranks that had parameter i's gradient (0: leave ``.grad``,
-        or restore ``kept[i]``, the bucket-view ``.grad`` it had)."""
+    # --8<-- [start:write_back]
+    def write_back(self, result: torch.Tensor, counts: list[int], as_view: bool) -> None:
+        """The one place that sets ``.grad``: the averaged ``result`` (this bucket's layout) into the
+        parameters' gradients. ``counts[i]``: ranks that had parameter i's gradient (0: leave ``.grad``)."""
         if as_view and result.data_ptr() != self.buffer.data_ptr():
             self.buffer.copy_(result)  # .grad lives in the bucket: the result goes there
         values = self.views if as_view or result is self.buffer else self.split(result)
         for k, (i, p) in enumerate(zip(self.indices, self.params)):
-            if counts[i] == 0:  # unused on every rank: .grad stays as it was
-                if i in kept:
-                    p.grad = kept[i]
-            elif as_view:
+            if counts[i] == 0:  # unused on every rank: .grad stays as it was (unused.UsedCounts.restore_kept)
+                continue
+            if as_view:
                 p.grad = values[k]
             elif p.grad is None:
                 p.grad = values[k].to(p.dtype, copy=True)
             else:
                 p.grad.copy_(values[k])
+    # --8<-- [end:write_back]
 
-    def for_hook(self, is_last: bool, pre_divided: bool, buffer: torch.Tensor | None = None) -> GradBucket:
+    def for_hook(self, is_last: bool, buffer: torch.Tensor | None = None) -> GradBucket:
         """What a comm hook receives: this bucket (or a same-layout ``buffer``, e.g. zeros) as a ``GradBucket``."""
         flat = self.buffer if buffer is None else buffer
         views = self.views if buffer is None else self.split(buffer)
-        return GradBucket(self.index, flat, views, self.params, is_last, pre_divided)
+        return GradBucket(self.index, flat, views, self.params, is_last)
 # --8<-- [end:bucket]
 
 
@@ -175,6 +167,15 @@ def rebuilt_assignment(ready_order: list[int], params, size_limits, group) -> li
     assignment = compute_bucket_assignment([params[i] for i in order], size_limits)
     return [[order[j] for j in bucket] for bucket in assignment]
 # --8<-- [end:rebuild]
+
+
+def check_dense(grad, name: str):
+    """``grad``, if it fits a flat bucket: a sparse one (refused at wrap, yet ``F.embedding(..., sparse=True)``
+    still makes one) is named instead."""
+    if grad is not None and grad.layout != torch.strided:
+        raise NotImplementedError(f"parameter {name} got a {grad.layout} gradient: miniddp averages dense "
+                                  "gradients only (use sparse=False, or torch's DDP)")
+    return grad
 
 
 def build_buckets(params, names, assignment) -> list[Bucket]:

@@ -1,33 +1,23 @@
 """Module state: check it matches at wrap, copy it from rank 0, keep buffers in step.
 
 What
-    ``verify_same_model`` checks that every rank built the same model (the names,
-    shapes, dtypes and ``requires_grad`` of parameters, and the buffers that will
-    be broadcast) and names the first difference; ``sync_module_states``
-    broadcasts parameters (and buffers) from rank 0 when DDP wraps a model;
-    ``broadcast_buffers`` re-broadcasts buffers (BatchNorm's running mean and
-    variance, step counters...) at the start of every forward; all through
-    ``broadcast_coalesced``, which packs many tensors into few broadcasts.
+    ``verify_same_model`` checks that every rank built the same model (names, shapes, dtypes and
+    ``requires_grad`` of parameters, and the buffers to broadcast) and names the first
+    difference; ``sync_module_states`` broadcasts parameters (and buffers) from rank 0 at wrap;
+    ``broadcast_buffers`` re-broadcasts buffers (BatchNorm's running stats) before every
+    forward; all through ``broadcast_coalesced``, few flat messages instead of one per tensor.
 
 Why
-    DDP keeps replicas identical by applying identical updates, which only works
-    if they *start* identical: ranks seeded differently (or not at all) would
-    otherwise train different models while averaging their gradients. A shape
-    mismatch must fail loudly at wrap time: left alone it turns into a bucket of
-    the wrong size and a collective that hangs or sums unrelated numbers. Buffers
-    get no gradients, so averaging never touches them: BatchNorm's running stats
-    drift apart per rank unless someone copies them.
+    Identical updates keep replicas identical only if they *start* identical. A shape mismatch
+    must fail at wrap: left alone it becomes a bucket of the wrong size and a collective that
+    hangs or sums unrelated numbers. Buffers get no gradients, so averaging never touches them.
 
 How torch differs
-    torch does the same at construction (``_verify_param_shape_across_processes``,
-    parameters' shapes only: a parameter frozen on one rank only, or a buffer
-    of another size, gets past it and then aborts or corrupts silently
-    and ``_sync_module_states`` with 250 MiB broadcast buckets, in
-    ``torch/nn/parallel/distributed.py`` and ``torch/distributed/utils.py``) and
-    ``_sync_buffers`` before each forward. With ``broadcast_buffers=False`` torch
-    syncs neither at wrap nor per forward; so do we. We write broadcast results
-    through ``.data`` so that autograd's version counters do not move: two forwards
-    before one backward must not fail with "modified by an inplace operation".
+    torch does the same at construction (``_verify_param_shape_across_processes``: parameter
+    shapes only, so a parameter frozen on one rank gets past it; ``_sync_module_states``, in
+    ``torch/nn/parallel/distributed.py``) and ``_sync_buffers`` before each forward. We write
+    broadcast results through ``.data``, so two forwards before one backward do not fail with
+    "modified by an inplace operation".
 """
 
 from __future__ import annotations

@@ -1,57 +1,37 @@
 """Uneven inputs: ranks that ran out of data shadow the collectives of those still training.
 
 What
-    ``ddp.join()`` (``Join`` here) is a context manager around the training loop.
-    Every grad-enabled forward of a rank that still has data starts with one small
-    all-reduce, the *round*: which ranks are still active, will this backward
-    all-reduce gradients, is the one-time bucket rebuild due. A rank that leaves
-    the loop (its data is exhausted) enters ``__exit__`` and keeps answering
-    rounds: for each one it issues exactly the collectives the active ranks are
-    about to issue (the rebuild broadcast, the buffer broadcast, each bucket's
-    comm hook on zeros, the used counts) until a round finds nobody active.
-    Then every rank copies the model of the last rank to finish, so all end
-    identical.
+    ``Join`` is a context manager around the training loop for one ``Joinable`` (``ddp.join()``).
+    Every grad-enabled forward of a rank with data starts with one small all-reduce, the
+    *round* (``Join.notify``): who is still active, will this backward sync, is the bucket
+    rebuild due. A rank out of data answers rounds in ``__exit__``: its ``JoinHook.main_hook``
+    issues what the active ranks are about to issue, until a round finds nobody active; then
+    ``post_hook`` gives every rank the last finisher's model. DDP's hook is ``ddp.DDPJoinHook``.
 
 Why
-    Collectives match by order, not by name. With 10 batches on rank 0 and 9 on
-    rank 1, rank 0's tenth backward all-reduces its buckets while rank 1 has
-    moved on to the barrier or the checkpoint after the loop: a hang until the
-    timeout, a "Connection reset by peer", or gloo summing a bucket with a
-    differently sized message (SIGABRT "op.preamble.length <= op.nbytes"). Data
-    sharding makes uneven inputs common: ``drop_last=False`` with a dataset that
-    does not divide, a ``DataLoader`` that filters samples, variable-length
-    batches packed per rank.
-
-    Gradients: a joined rank contributes zeros. ``divide_by_initial_world_size
-    =True`` divides by the world size anyway (the joined ranks count as zeros:
-    smaller steps, the same rule as torch's default); ``False`` divides by the
-    number of ranks still active (the average of those that really have data).
+    Collectives match by order, not by name: with 10 batches on rank 0 and 9 on rank 1, rank 0's
+    tenth backward all-reduces its buckets while rank 1 waits at a barrier or saves a checkpoint,
+    a hang or gloo pairing differently sized messages. ``drop_last=False``, a ``DataLoader`` that
+    filters samples or batches packed per rank make uneven inputs common.
 
 How torch differs
-    Same semantics as ``DistributedDataParallel.join`` built on
-    ``torch/distributed/algorithms/join.py`` (``Join``, ``Joinable``, and DDP's
-    ``_DDPJoinHook``): torch's active ranks announce themselves with an
-    all-reduce of ones (plus one to say whether they sync, plus a MAX all-reduce
-    to pick the buffer source); we fold all of that into one all-reduce of a
-    ``world_size + 2`` vector. As in torch, buffers are broadcast from the
-    highest active rank while the context is open, and the final model comes
-    from the highest rank among the last to finish. torch's ``Join`` can also
-    drive other ``Joinable`` objects (``ZeroRedundancyOptimizer``); ours only
-    drives ``miniddp.DistributedDataParallel``. Inside the context, only DDP's
-    own collectives are shadowed: a ``dist.all_reduce`` of your own (a metric)
-    on an active rank has no partner on a joined rank (torch: the same).
+    The interface of ``torch/distributed/algorithms/join.py`` (``Join``, ``Joinable``,
+    ``JoinHook``; DDP's ``_DDPJoinHook``), for one joinable instead of a list. torch's active ranks
+    announce themselves, say whether they sync and pick the buffer source in three all-reduces;
+    we fold them into one of a ``world_size + 2`` vector, handed to ``main_hook``. A
+    ``dist.all_reduce`` of your own on an active rank has no partner (torch: the same).
 """
 
 from __future__ import annotations
 
 import warnings
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..process_group.desync import issued_as
-from .unused import UsedCounts
 
 WARN_AFTER_ROUNDS = 1000  # torch warns when joined ranks shadow this many iterations
 
@@ -91,54 +71,86 @@ def exchange_round(world_size: int, rank: int, device, group, *, active: bool, w
 # --8<-- [end:round]
 
 
-class Join:
-    """Context manager returned by ``DistributedDataParallel.join(...)``; see the module docstring."""
+# --8<-- [start:interface]
+class JoinHook:
+    """What a joined rank does for one ``Joinable`` (torch's ``JoinHook``); both methods do nothing here."""
 
-    def __init__(self, ddp, divide_by_initial_world_size: bool = True, enable: bool = True,
-                 throw_on_early_termination: bool = False):
-        self.ddp = ddp  # the wrapper whose collectives we shadow
-        self.divide_by_initial_world_size = divide_by_initial_world_size  # divisor: world size or active ranks
+    def main_hook(self, plan: Round) -> None:
+        """One iteration of the active ranks: issue the collectives they issue, in their order, with zeros."""
+
+    def post_hook(self, source: int) -> None:
+        """Every rank has joined; ``source`` is the highest rank among the last to finish."""
+
+
+class Joinable(ABC):
+    """What ``Join`` needs from the object it drives (torch's ``Joinable``)."""
+
+    join_context: Join | None = None  # the open Join, set and cleared by Join: the object's forward notifies it
+
+    @abstractmethod
+    def join_hook(self, **kwargs) -> JoinHook:
+        """The hook a joined rank runs; ``kwargs`` are the ones given to ``Join``."""
+
+    @property
+    @abstractmethod
+    def join_device(self) -> torch.device:
+        """Where the round's small tensor lives."""
+
+    @property
+    @abstractmethod
+    def join_process_group(self):
+        """The ranks that join together."""
+# --8<-- [end:interface]
+
+
+class Join:
+    """Context manager for uneven inputs around one ``Joinable``; see the module docstring."""
+
+    def __init__(self, joinable: Joinable, enable: bool = True, throw_on_early_termination: bool = False,
+                 **kwargs):
+        self.joinable = joinable  # whose collectives the joined ranks shadow
         self.enable = enable  # False: a plain no-op context (torch's flag)
         self.throw = throw_on_early_termination  # raise everywhere as soon as one rank runs out
-        self.world_size = dist.get_world_size(ddp.process_group)
-        self.rank = dist.get_rank(ddp.process_group)  # our rank inside the DDP group
+        self.kwargs = kwargs  # for joinable.join_hook (DDP: divide_by_initial_world_size)
+        self.hook: JoinHook | None = None  # the joinable's, while the context is open
+        self.world_size = dist.get_world_size(joinable.join_process_group)
+        self.rank = dist.get_rank(joinable.join_process_group)  # our rank inside the joinable's group
         self.last_active: tuple[int, ...] = ()  # who was active in the latest round with anyone active
 
     def __enter__(self):
         if self.enable:
-            if self.ddp._join is not None:
+            if self.joinable.join_context is not None:
                 raise RuntimeError("DistributedDataParallel.join() is already open for this model; do not nest it")
-            self.ddp._join = self
+            self.hook = self.joinable.join_hook(**self.kwargs)
+            self.joinable.join_context = self
         return self
 
     # --8<-- [start:notify]
     def notify(self, will_sync: bool, rebuild: bool) -> Round:
         """Called by an active rank's grad-enabled forward: take part in this iteration's round."""
-        plan = exchange_round(self.world_size, self.rank, self.ddp.device, self.ddp.process_group,
-                              active=True, will_sync=will_sync, rebuild=rebuild)
+        plan = self._round(active=True, will_sync=will_sync, rebuild=rebuild)
         self.last_active = plan.active
         if self.throw and len(plan.active) < self.world_size:
             missing = sorted(set(range(self.world_size)) - set(plan.active))
             raise EarlyTerminationError(f"rank(s) {missing} exhausted their inputs (throw_on_early_termination=True); "
                                         f"raising on every rank, rank {self.rank} included")
         return plan
-
-    def divisor(self, plan: Round) -> int:
-        """What the gradients are divided by in this round's backward."""
-        return self.world_size if self.divide_by_initial_world_size else len(plan.active)
     # --8<-- [end:notify]
+
+    def _round(self, **flags) -> Round:
+        return exchange_round(self.world_size, self.rank, self.joinable.join_device,
+                              self.joinable.join_process_group, **flags)
 
     # --8<-- [start:exit]
     def __exit__(self, exc_type, exc, tb):
         if not self.enable:
             return False
-        self.ddp._join = None
+        self.joinable.join_context = None
         if exc_type is not None:  # an error inside the loop: propagate it, do not shadow anything
             return False
         rounds = 0
         while True:  # this rank is out of data: answer rounds until nobody is active
-            plan = exchange_round(self.world_size, self.rank, self.ddp.device, self.ddp.process_group,
-                                  active=False, will_sync=False, rebuild=False)
+            plan = self._round(active=False, will_sync=False, rebuild=False)
             if not plan.active:
                 break
             self.last_active = plan.active
@@ -148,30 +160,8 @@ class Join:
             if rounds == WARN_AFTER_ROUNDS:
                 warnings.warn(f"rank {self.rank} has shadowed {rounds} iterations of the other ranks: the inputs are "
                               "very uneven; consider balancing the shards", stacklevel=2)
-            self.shadow(plan)
-        self.sync_final_model()
+            self.hook.main_hook(plan)
+        # everyone takes the model of the highest rank among the last to finish
+        self.hook.post_hook(max(self.last_active) if self.last_active else self.world_size - 1)
         return False
-
-    @issued_as("join's zeros for each bucket")
-    def shadow(self, plan: Round) -> None:
-        """Issue what an active rank issues in one iteration, in the same order, with nothing to say."""
-        self.ddp._sync_before_forward(rebuild=plan.rebuild, source=plan.source)  # rebuild + buffer broadcast
-        if plan.will_sync:
-            shadow_backward(self.ddp.reducer)
-
-    def sync_final_model(self) -> None:
-        """Everyone takes the model of the highest rank among the last to finish."""
-        source = max(self.last_active) if self.last_active else self.world_size - 1
-        self.ddp._sync_module_states(source)
     # --8<-- [end:exit]
-
-
-def shadow_backward(reducer) -> None:
-    """A joined rank's share of a backward it sits out: each bucket's comm hook on zeros, then the used
-    counts (all zero), in the order the active ranks issue them (``reducer.py``). torch runs the hook
-    on zeros too (``DistributedDataParallel._match_all_reduce_for_bwd_pass``)."""
-    for b in reducer.buckets:
-        zeros = b.for_hook(is_last=b.index == len(reducer.buckets) - 1, pre_divided=not reducer.custom_hook,
-                           buffer=torch.zeros_like(b.buffer))
-        reducer.hook(reducer.hook_state, zeros).wait()  # the next bucket only after this one, as active ranks do
-    UsedCounts(len(reducer.params), used=0).all_reduce(reducer.group, reducer.buckets[0].buffer.device).wait()

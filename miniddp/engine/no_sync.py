@@ -1,42 +1,23 @@
 """No-sync gradient accumulation: communicate once per optimizer step, not per micro-batch.
 
 What
-    ``no_sync(ddp)`` (also ``ddp.no_sync()``) is a context manager: backward passes
-    whose *forward* ran inside it accumulate gradients locally in ``.grad`` with no
-    communication; the first synced backward after it averages the accumulated
-    sums. ``should_sync`` decides which micro-step of a
-    ``gradient_accumulation_steps`` window syncs, and ``accumulation_windows``
-    gives each window's real length (the last one of an epoch may be short).
+    ``no_sync(ddp)`` (also ``ddp.no_sync()``) is a context manager: a backward whose *forward*
+    ran inside it only accumulates ``.grad`` locally (the forward does not arm the reducer, whose
+    hooks then just note the gradient in ``Accumulated``); the next synced backward averages the
+    sums. ``should_sync`` says which micro-step of a ``gradient_accumulation_steps`` window
+    syncs, ``accumulation_windows`` each window's real length.
 
 Why
-    With ``gradient_accumulation_steps=k`` the optimizer steps once per *k*
-    micro-batches. Averaging after every micro-batch would send *k* times the
-    bytes for the same result, since all-reduce is linear: the mean of sums is the
-    sum of means. So only the last micro-batch of a window syncs (Hugging Face's
-    Trainer and Accelerate do the same: ``accelerator.accumulate``).
+    All-reduce is linear: the mean of sums is the sum of means, so averaging every micro-batch
+    sends k times the bytes for the same result. Only the last micro-batch of a window syncs
+    (Hugging Face's Trainer and Accelerate's ``accelerator.accumulate`` do the same).
 
 How torch differs
-    Same semantics as ``DistributedDataParallel.no_sync`` in
-    ``torch/nn/parallel/distributed.py``: it flips ``require_backward_grad_sync``,
-    and what counts is the flag's value **during the forward** (that is when the
-    reducer is armed), so the forward must sit inside the context; a backward
-    inside it whose forward ran outside still synchronises. Hugging Face syncs on
-    the last micro-batch of a window and on the last batch of an epoch. Putting
-    only the backward inside ``no_sync`` is the most repeated DDP bug
-    (karpathy/build-nanogpt#30, huggingface/accelerate#1726): torch is silent, we
-    warn when ``no_sync()`` is entered while a synced forward waits for its backward.
-
-How it runs here
-    1. ``no_sync`` sets ``ddp.require_backward_grad_sync = False``.
-    2. ``DistributedDataParallel.forward`` arms the reducer
-       (``Reducer.prepare_for_backward``) only when that flag is True.
-    3. In an unarmed backward the reducer's per-parameter hook only records the
-       parameter in ``Accumulated`` and returns: autograd has already added the
-       gradient to ``.grad``, and nothing is copied or sent.
-    4. The next armed backward copies each ``.grad`` (now the sum over the
-       micro-batches) into its bucket, and writes back the mean over ranks. A
-       parameter that got a gradient only inside ``no_sync`` still sends it when
-       ``find_unused_parameters=True`` (``unused.unused_contribution``), as torch does.
+    The same semantics as ``DistributedDataParallel.no_sync`` (``torch/nn/parallel/distributed.py``):
+    it flips ``require_backward_grad_sync``, read **during the forward**. Putting only the
+    backward inside ``no_sync`` is the most repeated DDP bug (karpathy/build-nanogpt#30,
+    huggingface/accelerate#1726): torch is silent, we warn when ``no_sync()`` is entered while a
+    synced forward waits for its backward, and when a parameter changed inside the window.
 """
 
 from __future__ import annotations
@@ -104,10 +85,13 @@ class ChangedInWindow:
 
 class Accumulated:
     """Which parameters got a gradient since the last synced backward, ``no_sync`` micro-steps included
-    (torch keeps the same in ``local_used_map``)."""
+    (torch keeps the same in ``local_used_map``), and whether a ``no_sync`` forward explains a gradient
+    that arrives in a backward no synced forward armed."""
 
     def __init__(self, num_params: int):
         self.flags = [False] * num_params
+        self.local_forward = False  # a no_sync forward ran since the last synced backward: local gradients expected
+        self.warned = False  # the "gradient no forward prepared" warning, once
 
     def add(self, i: int) -> None:
         self.flags[i] = True
@@ -115,8 +99,16 @@ class Accumulated:
     def __contains__(self, i: int) -> bool:
         return self.flags[i]
 
+    def unarmed(self, name: str) -> None:
+        """``name`` got a gradient in an unarmed backward: fine after a ``no_sync`` forward, else warned once."""
+        if not self.local_forward and not self.warned:
+            self.warned = True
+            warnings.warn(unprepared_backward_message(name), UserWarning, stacklevel=3)
+
     def clear(self) -> None:
+        """A synced backward averaged everything: nothing is accumulated any more."""
         self.flags = [False] * len(self.flags)
+        self.local_forward = False
 
 
 # --8<-- [start:schedule]

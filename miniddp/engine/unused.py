@@ -1,43 +1,29 @@
 """Unused parameters: what a parameter without a gradient does to a bucket.
 
 What
-    ``unused_parameters(outputs, params)`` walks the autograd graph back from the
-    forward's outputs and returns the parameters it never reaches: those will get
-    no gradient in this backward. ``UnusedParameterError`` is what you get when
-    that happens and nobody said it could.
+    ``unused_parameters(outputs, params)`` walks the autograd graph back from the forward's
+    outputs and returns the parameters it never reaches. The reducer marks those ready at
+    backward start, and any still missing at its end, with ``unused_contribution``; then
+    ``UsedCounts`` (how many ranks had each gradient) is all-reduced and ``check_counts`` raises
+    ``UnusedParameterError`` or leaves ``.grad`` as it was where no rank had one.
 
 Why
-    A bucket is launched when *all* its gradients are ready. A parameter that
-    takes no part in the loss (a branch not taken, a frozen head that still has
-    ``requires_grad=True``, a mixture-of-experts expert no token chose) never
-    fires its hook, so its bucket never launches, every later bucket waits behind
-    it (they launch in order), and the ranks that did launch wait forever. With
-    ``find_unused_parameters=True`` DDP walks the graph after each forward and
-    marks such parameters ready up front, contributing zeros.
+    A bucket is sent when *all* its gradients are ready. A parameter outside the loss (a branch
+    not taken, an expert no token chose) never fires its hook, so its bucket and every later one
+    wait, and the ranks that sent theirs wait forever. ``find_unused_parameters=True`` walks the
+    graph after each forward and contributes zeros instead.
 
 How torch differs
-    torch walks the graph the same way (``Reducer::prepare_for_backward`` in
-    ``reducer.cpp``), reduces a bitmap of locally used parameters so that a
-    parameter unused on *every* rank keeps its ``.grad`` untouched, and warns if
-    the flag was set but nothing was unused. With ``find_unused_parameters=False``
-    torch notices the missing gradient only at the *next* iteration ("Expected to
-    have finished reduction in the prior iteration..."), after a silent desync. We
-    count the ranks that produced each gradient (``UsedCounts``: torch's bitmap,
-    but sent on every synced backward, after the last bucket), so every rank
-    raises at the end of the *same* backward, naming the parameters.
-
-How it runs (``reducer.py`` calls these)
-    ``prepare_for_backward``: ``unused_parameters`` walks the graph (flag on);
-    at backward start those parameters are marked ready with
-    ``unused_contribution``; at the end of backward any parameter still without
-    a gradient gets the same treatment (so no bucket waits forever); then
-    ``UsedCounts`` is all-reduced and ``check_counts`` decides: raise, or leave
-    ``.grad`` untouched where no rank had a gradient.
+    torch walks the graph the same way (``Reducer::prepare_for_backward`` in ``reducer.cpp``) and
+    reduces a bitmap of locally used parameters, only with the flag. Without it torch notices a
+    missing gradient at the *next* iteration, after a silent desync; our counts travel on every
+    synced backward, after the last bucket, so every rank raises at the end of the *same* one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -126,10 +112,15 @@ class UsedCounts:
 
     def __init__(self, num_params: int, used: int = 1):
         self.local = [used] * num_params  # 1: this rank sends a real gradient for parameter i
+        self.kept: dict[int, torch.Tensor] = {}  # parameter -> its bucket-view .grad, to restore if no rank used it
         self.summed: torch.Tensor | None = None
 
-    def mark_unused(self, i: int) -> None:
+    def mark_unused(self, i: int, grad=None, view=None) -> None:
+        """Parameter i sends no gradient of its own. If its ``.grad`` is its bucket's ``view``
+        (``gradient_as_bucket_view``), the bucket will overwrite it: keep a copy."""
         self.local[i] = 0
+        if grad is not None and grad.data_ptr() == view.data_ptr():
+            self.kept[i] = grad.clone()
 
     def all_reduce(self, group, device) -> torch.futures.Future:
         self.summed = torch.tensor(self.local, dtype=torch.int32).to(device, non_blocking=True)  # no stream sync
@@ -139,18 +130,28 @@ class UsedCounts:
     def counts(self) -> list[int]:
         return self.summed.tolist()  # one host copy per backward (a sync point on a GPU)
 
+    def restore_kept(self, params, counts: list[int]) -> None:
+        """After the write-back: a bucket-view ``.grad`` that no rank used is put back as it was."""
+        for i, grad in self.kept.items():
+            if counts[i] == 0:
+                params[i].grad = grad
+
 
 def check_counts(counts: list[int], expected: int, names: list[str], *, find_unused: bool, local: list[int],
-                 params: list[torch.Tensor]) -> bool:
+                 params: list[torch.Tensor], warn_if_nothing_unused: bool = False) -> bool:
     """Raise ``UnusedParameterError`` for gradients some rank lacked, unless ``find_unused``; ``local``:
-    this rank's parameters without a gradient. Returns whether anything was unused on any rank."""
+    this rank's parameters without a gradient. With ``find_unused`` and nothing unused on any rank, warn
+    if asked (the graph walk is then wasted time). Returns whether it warned."""
     short = [(names[i], c) for i, c in enumerate(counts) if c < expected]
     if short and not find_unused:
         frozen = [names[i] for i in local if not params[i].requires_grad]
         message = missing_gradients_message([n for n, _ in short], [c for _, c in short], expected,
                                             [names[i] for i in local], frozen)
         raise UnusedParameterError(message, [n for n, _ in short])
-    return bool(short)
+    if find_unused and not short and warn_if_nothing_unused:  # judged from the counts: nothing unused on ANY rank
+        warnings.warn(NOTHING_UNUSED, stacklevel=3)
+        return True
+    return False
 # --8<-- [end:counts]
 
 

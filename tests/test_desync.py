@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
-from miniddp.process_group import desync
+from miniddp.process_group import debug_backend, fingerprint
 from miniddp.testing import backend_params, run_on_ranks
 from models import MLP
 
@@ -415,12 +415,58 @@ def test_one_rank_runs_checked(backend):
 
 
 def test_switch_and_timeout_come_from_the_environment():
-    assert desync.enabled({"MINIDDP_DEBUG": "collectives"})
-    assert desync.enabled({"MINIDDP_DEBUG": "trace,collectives"})
-    assert not desync.enabled({}) and not desync.enabled({"MINIDDP_DEBUG": "1"})
-    assert desync.detector_timeout(timedelta(seconds=10), {}) == timedelta(seconds=9)
-    assert desync.detector_timeout(timedelta(seconds=10), {"MINIDDP_DEBUG_TIMEOUT": "2.5"}) == timedelta(seconds=2.5)
+    assert debug_backend.enabled({"MINIDDP_DEBUG": "collectives"})
+    assert debug_backend.enabled({"MINIDDP_DEBUG": "trace,collectives"})
+    assert not debug_backend.enabled({}) and not debug_backend.enabled({"MINIDDP_DEBUG": "1"})
+    assert debug_backend.detector_timeout(timedelta(seconds=10), {}) == timedelta(seconds=9)
+    assert (debug_backend.detector_timeout(timedelta(seconds=10), {"MINIDDP_DEBUG_TIMEOUT": "2.5"})
+            == timedelta(seconds=2.5))
     with pytest.raises(ValueError, match="MINIDDP_DEBUG_TIMEOUT"):
-        desync.detector_timeout(timedelta(seconds=10), {"MINIDDP_DEBUG_TIMEOUT": "0"})
+        debug_backend.detector_timeout(timedelta(seconds=10), {"MINIDDP_DEBUG_TIMEOUT": "0"})
     with pytest.raises(ValueError, match="gloo or nccl"):
-        desync.register("mpi")
+        debug_backend.register("mpi")
+
+
+def _wrap_against_a_user_gather(rank, world_size):
+    _init()
+    torch.manual_seed(0)
+    try:
+        if rank == 0:
+            miniddp.DistributedDataParallel(MLP())  # site: wrap
+        else:
+            dist.all_gather_object([None] * world_size, "not a model")  # site: user gather
+    except miniddp.CollectiveMismatchError as exc:
+        return str(exc)
+
+
+def test_a_collective_under_an_issued_as_decorator_is_reported_at_the_users_line():
+    message = _same_on_every_rank(_run(_wrap_against_a_user_gather))
+    wrap, gather = (_site(_wrap_against_a_user_gather, m) for m in ("site: wrap", "site: user gather"))
+    assert "differing in issuer (user code or miniddp)" in message
+    assert ("rank 0: #1 all_gather() int64[1] from model check at wrap during "
+            f"miniddp.DistributedDataParallel(MLP()) at {wrap}") in message  # not at the decorator's frame
+    assert f"rank 1: #1 all_gather() int64[1] from user code at {gather}" in message
+
+
+def _issued_from(path: str):
+    """A function whose code lives at ``path``: as if a module there called ``call_site()``."""
+    scope = {"call_site": fingerprint.call_site}
+    exec(compile("def issue():\n    return call_site()\n", path, "exec"), scope)
+    return scope["issue"]
+
+
+def test_call_site_labels_and_the_package_at_any_depth():
+    package = os.path.dirname(miniddp.__file__)
+    line = inspect.currentframe().f_lineno
+    issuer, site, code = fingerprint.call_site()
+    assert (issuer, site) == ("user code", f"test_desync.py:{line + 1}") and code.startswith("issuer, site")
+    with fingerprint.issued_as("outer"), fingerprint.issued_as("inner"):
+        assert fingerprint.call_site()[0] == "inner"  # the innermost label wins
+    deep = _issued_from(os.path.join(package, "engine", "deeper", "fake.py"))
+    assert deep()[0] == fingerprint.UNLABELLED and deep()[1].startswith("test_desync.py:")  # miniddp's, unlabelled
+    with fingerprint.issued_as("bucket 0 all-reduce"):
+        assert deep()[0] == "bucket 0 all-reduce"
+    own = _issued_from(os.path.join(package, "process_group", "fake.py"))  # the checking group's own frames
+    assert own()[0] == "user code" and own()[1].startswith("test_desync.py:")
+    outside = _issued_from(os.path.join(os.path.dirname(package), "not_miniddp", "fake.py"))
+    assert outside()[1] == "fake.py:2"  # outside the package: the user's own module

@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 import miniddp
-from miniddp.process_group.env import DistEnv, parse_slurm_tasks_per_node
+from miniddp.process_group.env import DistEnv
+from miniddp.process_group.slurm import parse_slurm_tasks_per_node
 from miniddp.testing import run_on_ranks
 
 

@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 
 import miniddp
+from miniddp.process_group.monitored_barrier import monitored_barrier
+from miniddp.process_group.stalled_ranks import naming_stalled_ranks
 from miniddp.testing import backend_params, run_on_ranks
-from miniddp.process_group.timeouts import monitored_barrier, naming_stalled_ranks, nccl_watchdog_env
 
 
 @pytest.mark.parametrize("value, seconds", [(1800, 1800), (2.5, 2.5), (timedelta(minutes=2), 120)])
@@ -34,17 +35,12 @@ def test_wrong_types_are_rejected(bad):
         miniddp.as_timedelta(bad)
 
 
-def test_nccl_watchdog_env():
-    assert nccl_watchdog_env() == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
-    assert nccl_watchdog_env(blocking_wait=True)["TORCH_NCCL_BLOCKING_WAIT"] == "1"
-
-
 # --8<-- [start:stall]
 def _one_rank_stalls(rank, world_size, backend, timeout_s):
     import os
 
     if backend == "nccl":
-        os.environ.update(nccl_watchdog_env(blocking_wait=True))  # raise in Python, not abort
+        os.environ.update(TORCH_NCCL_ASYNC_ERROR_HANDLING="1", TORCH_NCCL_BLOCKING_WAIT="1")  # raise, not abort
     env = miniddp.init_distributed(backend=backend, timeout=timeout_s)
     store = dist.distributed_c10d._get_default_store()
     if rank == 1:  # a slow checkpoint, a stuck data loader... until rank 0 has given up on it
@@ -121,3 +117,26 @@ def _every_rank_fails_in_the_same_collective(rank, world_size):
 def test_when_every_rank_was_waiting_the_transport_is_blamed_not_a_rank():
     for missing, message in run_on_ranks(_every_rank_fails_in_the_same_collective, 3, timeout=60):
         assert missing == [] and "every rank was waiting in the all-reduce of test #1" in message, message
+
+
+def _errors_are_told_apart_by_type_not_by_words(rank, world_size):
+    dist.barrier()
+    out = {}
+    try:
+        with naming_stalled_ranks("all-reduce of test #2"):
+            raise RuntimeError("words no transport uses")  # gloo's errors have no type of their own
+    except miniddp.StalledRankError as err:
+        out["RuntimeError"] = err.missing, type(err.__cause__).__name__
+    for kind in (miniddp.CollectiveMismatchError, torch.OutOfMemoryError):  # a verdict already; this rank's own
+        try:
+            with naming_stalled_ranks("all-reduce of test #3"):
+                raise kind("passes through")
+        except kind as err:
+            out[kind.__name__] = type(err).__name__
+    return out
+
+
+def test_any_runtime_error_of_the_collective_checks_in_but_verdicts_and_local_errors_pass_through():
+    for out in run_on_ranks(_errors_are_told_apart_by_type_not_by_words, 2, timeout=60):
+        assert out == {"RuntimeError": ([], "RuntimeError"), "CollectiveMismatchError": "CollectiveMismatchError",
+                       "OutOfMemoryError": "OutOfMemoryError"}, out

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-import miniddp.process_group.timeouts as timeouts
+import miniddp.process_group.stalled_ranks as stalled_ranks
 from hosts import Host, two_hosts, unavailable
 from miniddp.training.checkpoint import MANIFEST, load_checkpoint
 from miniddp.testing import run_on_ranks
@@ -374,12 +374,12 @@ def _store_stops_answering(rank, world_size):
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
         os.kill(server.pid, signal.SIGSTOP)  # it keeps its socket open, and answers nothing
-        timeouts.STORE_ANSWER_S = 1.0
+        stalled_ranks.STORE_ANSWER_S = 1.0
         start = time.monotonic()
         try:
-            with timeouts.naming_stalled_ranks("all-reduce of test #1", grace=0.5):
+            with stalled_ranks.naming_stalled_ranks("all-reduce of test #1", grace=0.5):
                 raise RuntimeError("[gloo] Timed out waiting 20000ms for recv operation to complete")
-        except timeouts.StalledRankError as err:
+        except stalled_ranks.StalledRankError as err:
             return time.monotonic() - start, str(err), port
     finally:
         os.kill(server.pid, signal.SIGKILL)
@@ -397,9 +397,9 @@ def _fail_in_different_collectives(rank, world_size):
     dist.barrier()
     what = "all-reduce of bucket 0 in backward #3" if rank == 0 else "non-finite check of step 3"
     try:  # a cut link: each rank fails in whatever collective it was in, at about the same time
-        with timeouts.naming_stalled_ranks(what, grace=0.5):
+        with stalled_ranks.naming_stalled_ranks(what, grace=0.5):
             raise RuntimeError("[gloo] Timed out waiting 20000ms for recv operation to complete")
-    except timeouts.StalledRankError as err:
+    except stalled_ranks.StalledRankError as err:
         return err.missing, str(err)
 
 

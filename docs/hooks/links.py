@@ -141,8 +141,10 @@ PATH = [
 
 # Concept page -> the modules it explains (their API entries are api.md#<module>).
 API_OF = {
-    "backend-selection.md": ["miniddp.process_group.backend", "miniddp.process_group.env"],
-    "timeouts.md": ["miniddp.process_group.timeouts"],
+    "backend-selection.md": ["miniddp.process_group.backend", "miniddp.process_group.env", "miniddp.process_group.slurm",
+                             "miniddp.process_group.elastic_agent"],
+    "timeouts.md": ["miniddp.process_group.timeouts", "miniddp.process_group.monitored_barrier",
+                    "miniddp.process_group.stalled_ranks", "miniddp.process_group.process_info"],
     "sharding.md": ["miniddp.by_hand.sharding"],
     "averaging.md": ["miniddp.by_hand.averaging"],
     "bucketing.md": ["miniddp.engine.bucketing", "miniddp.engine.reducer", "miniddp.engine.autograd_hooks",
@@ -157,7 +159,8 @@ API_OF = {
     "costmodel.md": ["miniddp.engine.alpha_beta", "miniddp.engine.step_profile", "miniddp.engine.costmodel",
                      "miniddp.diagnostics.trace"],
     "join.md": ["miniddp.engine.join"],
-    "desync.md": ["miniddp.process_group.desync"],
+    "desync.md": ["miniddp.process_group.fingerprint", "miniddp.process_group.desync",
+                  "miniddp.process_group.debug_backend"],
     "trainer.md": ["miniddp.training.config", "miniddp.training.trainer", "miniddp.training.prepare",
                    "miniddp.training.reporting", "miniddp.training.trainer_checkpoint", "miniddp.training.checkpoint",
                    "miniddp.training.timeline", "miniddp.training.every_rank", "miniddp.training.resume",

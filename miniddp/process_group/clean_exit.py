@@ -1,34 +1,25 @@
 """Clean exit: the process group miniddp created is gone before the interpreter tears down.
 
 What
-    ``destroy_at_exit()`` (called by ``init_distributed`` when it creates the group) registers,
-    once, an ``atexit`` function that destroys that group if it still exists.
-    ``destroy_process_group(timeout_s)`` is that function, for any caller: idempotent, harmless
-    when the user already destroyed the group, bounded in time when a peer is gone (a collective
-    still waiting for it is abandoned after ``timeout_s``, never waited for). Set
-    ``MINIDDP_CLEAN_EXIT=0`` to switch the ``atexit`` part off (the tests' negative control).
+    ``destroy_at_exit()`` (called by ``init_distributed``) registers, once, an ``atexit``
+    function that destroys that group if it still exists. ``destroy_process_group(timeout_s)``
+    is that function for any caller: idempotent, and bounded in time when a peer is gone.
+    ``MINIDDP_CLEAN_EXIT=0`` switches the ``atexit`` part off (the tests' negative control).
 
 Why
-    torch 2.13, gloo: a gloo worker thread (``pt_gloo_runloop``) drops its reference to a finished
-    ``Work`` just *after* completing its future. That destructor releases Python objects (the
-    tensors' Python halves, the thread-local state captured at launch), so it takes the GIL. If the
-    main thread reaches ``Py_FinalizeEx`` first, CPython ends every thread that asks for the GIL
-    with ``pthread_exit``; its unwinding through the ``noexcept`` destructor calls
-    ``std::terminate``: "terminate called without an active exception", SIGABRT, and a finished
-    job is reported as failed (pytorch#190489). Destroying the group joins those threads first,
-    with the GIL released, but only once the *last* Python reference to the group is gone:
-    ``dist.destroy_process_group()`` leaves them running while any object still holds the group.
-    Two holders were found: a DDP wrapper's ``process_group`` (miniddp's now keep ``None`` for the
-    default group and look it up at each use, ``group_or_default``), and ten functions of
-    ``torch.distributed.nn.functional`` whose default argument ``group=group.WORLD`` is evaluated
-    at import: ``torch._dynamo`` imports that module on the first ``torch.optim`` optimizer, so
-    when the group already exists they hold it for good. Imported here, before any group, their
-    default is ``None``. The tests check that no gloo thread outlives a destroy.
+    torch 2.13, gloo: a worker thread (``pt_gloo_runloop``) releases a finished ``Work`` just
+    after completing its future, which takes the GIL. If the main thread is already in
+    ``Py_FinalizeEx``, that thread is ended inside a ``noexcept`` destructor: "terminate
+    called without an active exception", SIGABRT, and a finished job is reported as failed
+    (pytorch#190489). Destroying the group joins those threads first, but only once the last
+    Python reference to it is gone: so miniddp's wrappers keep ``None`` for the default group
+    (``group_or_default``), and ``torch.distributed.nn.functional`` is imported here, before any
+    group exists, because its functions' ``group=group.WORLD`` defaults would hold it for good.
 
 How torch differs
-    torch registers nothing at exit (an ``atexit`` destroy was proposed in pytorch PR 179291 and
-    abandoned), and its DDP keeps ``self.process_group``: with a torch DDP model alive,
-    ``destroy_process_group()`` leaves gloo's threads running, and the abort stays possible.
+    torch registers nothing at exit, and its DDP keeps ``self.process_group``: with a torch DDP
+    model alive, ``destroy_process_group()`` leaves gloo's threads running, and the abort stays
+    possible.
 """
 
 from __future__ import annotations

@@ -1,148 +1,54 @@
 """Collective-desync detection: compare every collective across ranks before it runs.
 
 What
-    With ``MINIDDP_DEBUG=collectives`` set at ``miniddp.init_distributed()``, the
-    process group (and every later ``dist.new_group()``) is a ``CheckedGroup``: a
-    Python ``ProcessGroup`` around the real gloo or NCCL backend. Before each
-    collective every rank posts a fingerprint (sequence number, op, reduce op, root,
-    shapes, dtypes, issuer: user code or which part of miniddp) to the group's
-    store, waits for the others' and compares. On a difference, or when a rank posts
-    nothing for ``MINIDDP_DEBUG_TIMEOUT`` s (default 0.9 x the group's timeout),
-    every rank raises the same ``CollectiveMismatchError`` naming each rank's
-    ``file.py:LINE``. A send/recv pair is compared by whichever end comes second.
+    ``CheckedGroup`` is a Python ``ProcessGroup`` around the real gloo or NCCL backend
+    (``debug_backend.py`` installs it under ``MINIDDP_DEBUG=collectives``). Before each
+    collective every rank posts its ``Fingerprint`` to the group's store, waits for the
+    others' and compares. On a difference, or when a rank posts nothing for
+    ``MINIDDP_DEBUG_TIMEOUT`` s (default 0.9 x the group's timeout), every rank raises the
+    same ``CollectiveMismatchError`` naming each rank's ``file.py:LINE``. A send/recv pair is
+    compared by whichever end comes second.
 
 Why
-    Collectives pair up by order alone, so a desync is silent: an extra all-reduce
-    of a bucket's size is summed into the gradients, a different ``bucket_cap_mb``
-    per rank aborts gloo, a dict logged with different keys per rank deadlocks.
+    Collectives pair up by order alone, so a desync is silent: an extra all-reduce of a
+    bucket's size is summed into the gradients, a different ``bucket_cap_mb`` per rank aborts
+    gloo, a dict logged with different keys per rank deadlocks.
 
 How torch differs
-    ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` wraps each group in the C++
-    ``ProcessGroupWrapper`` (``torch/csrc/distributed/c10d/ProcessGroupWrapper.cpp``):
-    a monitored barrier, then all-gathers of (op, sequence number, input shapes,
-    dtypes, devices) on a helper gloo group; no reduce op, root, send/recv or source
-    line. ``TORCH_NCCL_DESYNC_DEBUG`` and the NCCL flight recorder
-    (``TORCH_NCCL_TRACE_BUFFER_SIZE``, read by ``torch.distributed.flight_recorder``'s
-    ``fr_trace``) explain a hang after the watchdog fires, at almost no cost before.
+    ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` wraps each group in the C++ ``ProcessGroupWrapper``
+    (``torch/csrc/distributed/c10d/ProcessGroupWrapper.cpp``): a monitored barrier, then
+    all-gathers of the fingerprints on a helper gloo group; no send/recv. ``TORCH_NCCL_DESYNC_DEBUG``
+    and the NCCL flight recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``, read by
+    ``torch.distributed.flight_recorder``'s ``fr_trace``) explain a hang after the watchdog fires.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import linecache
-import os
 import pickle
-import sys
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from .timeouts import as_timedelta
+from .fingerprint import Fingerprint, issued_as, reduce_op_and_root
 
-DEBUG_ENV, TIMEOUT_ENV = "MINIDDP_DEBUG", "MINIDDP_DEBUG_TIMEOUT"  # the switch; seconds to wait for a late rank
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # miniddp/, above process_group/
-_SKIP = (os.path.dirname(torch.__file__) + os.sep, _PACKAGE + os.sep)  # not user code
+# issued_as lives in fingerprint.py; the layers above import it from here too
+__all__ = ["CheckedGroup", "CollectiveMismatchError", "TIMEOUT_ENV", "issued_as"]
+
+TIMEOUT_ENV = "MINIDDP_DEBUG_TIMEOUT"  # seconds to wait for a late rank (debug_backend.detector_timeout)
 _ABSENT = "\x00absent"  # compare_set(key, _ABSENT, _ABSENT) reads a key without waiting for it
-_ISSUER: contextvars.ContextVar[str | None] = contextvars.ContextVar("miniddp_issuer", default=None)
-
-
-def issued_as(label: str):
-    """``with issued_as("bucket 3 all-reduce"):`` (or as a decorator): the collectives issued inside
-    are reported under ``label`` in a desync message. The innermost label wins. Costs a context
-    variable set when the detector is off."""
-    return _Issuer(label)
-
-
-class _Issuer(contextlib.ContextDecorator):
-    def __init__(self, label: str):
-        self.label, self.tokens = label, []
-
-    def _recreate_cm(self):  # as a decorator: a fresh one per call, so threads never share the token stack
-        return _Issuer(self.label)
-
-    def __enter__(self):
-        self.tokens.append(_ISSUER.set(self.label))
-        return self
-
-    def __exit__(self, *exc):
-        _ISSUER.reset(self.tokens.pop())
-        return False
 
 
 class CollectiveMismatchError(RuntimeError):
     """Ranks issued different collectives, or one stopped issuing them. Every rank raises the same message."""
 
 
-def enabled(environ=None) -> bool:
-    """Is ``MINIDDP_DEBUG=collectives`` set (alone or in a comma-separated list)?"""
-    return "collectives" in (os.environ if environ is None else environ).get(DEBUG_ENV, "").split(",")
-
-
-def detector_timeout(group_timeout: timedelta, environ=None) -> timedelta:
-    """``MINIDDP_DEBUG_TIMEOUT`` seconds, else 0.9 x the group's timeout: we speak before gloo does."""
-    value = (os.environ if environ is None else environ).get(TIMEOUT_ENV)
-    return as_timedelta(float(value), name=TIMEOUT_ENV) if value else group_timeout * 0.9
-
-
-@dataclass(frozen=True)
-class Fingerprint:
-    """One rank's view of one collective (or of one end of a send/recv)."""
-
-    seq: int  # position in the group's collective order (p2p: in its src->dst channel)
-    op: str  # "all_reduce", "broadcast", "send"...
-    args: str = ""  # reduce op and root: "SUM", "root=0"
-    tensors: tuple = ()  # (dtype, shape) of each tensor every rank must agree on
-    issuer: str = "user code"  # or the part of miniddp that issued it: "bucket 2 all-reduce"
-    site: str = "?"  # the user's line, "train.py:40": reported, never compared
-    code: str = ""  # that line's source text
-    failed: str = ""  # this rank already raised this message: a peer that reads it raises it too
-
-    def agreed(self) -> tuple:  # who issued it counts as user code or miniddp (join shadows the reducer)
-        return self.seq, self.op, self.args, self.tensors, self.issuer == "user code"
-
-    def __str__(self) -> str:
-        shapes = ", ".join(f"{d}{list(s)}" for d, s in self.tensors[:4]) + (", ..." if len(self.tensors) > 4 else "")
-        where = (f"user code at {self.site}: {self.code}" if self.issuer == "user code"
-                 else f"{self.issuer} during {self.code or '?'} at {self.site}")
-        return " ".join(x for x in (f"#{self.seq} {self.op}({self.args})", shapes, "from", where) if x)
-
-
-# --8<-- [start:call_site]
-def call_site() -> tuple[str, str, str]:
-    """(issuer, ``"file.py:LINE"``, source text): the first frame outside torch and miniddp is
-    the user's; a miniddp frame on the way names the issuer (the reducer's hooks run inside
-    ``loss.backward()``, so a bucket's all-reduce is reported at the backward line)."""
-    frame, issuer, innermost = sys._getframe(1), _ISSUER.get(), None
-    while frame is not None and frame.f_code.co_filename.startswith(_SKIP):
-        name, ours = frame.f_code.co_name, frame.f_code.co_filename.startswith(_SKIP[1])
-        if ours and not frame.f_code.co_filename.endswith("desync.py"):
-            innermost = innermost or f"miniddp {name}"
-        frame = frame.f_back
-    issuer = issuer or innermost or "user code"
-    if frame is None:  # issued from C++ with no Python caller (e.g. on an autograd device thread)
-        return issuer, "<no Python frame>", ""
-    text = linecache.getline(frame.f_code.co_filename, frame.f_lineno).split("  #")[0].strip()  # no comment
-    return issuer, f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}", text
-# --8<-- [end:call_site]
-
-
-def _tensors(x) -> tuple:  # ((dtype, shape), ...) of every tensor in a nested list
-    if isinstance(x, torch.Tensor):
-        return ((str(x.dtype).removeprefix("torch."), tuple(x.shape)),)
-    return tuple(t for item in x for t in _tensors(item)) if isinstance(x, (list, tuple)) else ()
-
-
-def _options(args, kwargs) -> str:  # the reduce op and root in a collective's options: "SUM", "root=0"
-    opts = [a for a in (*args, *kwargs.values()) if hasattr(a, "reduceOp") or hasattr(a, "rootRank")]
-    ops = [getattr(getattr(o.reduceOp, "op", o.reduceOp), "name", "?") for o in opts if hasattr(o, "reduceOp")]
-    return ",".join(ops + [f"root={o.rootRank}" for o in opts if hasattr(o, "rootRank")])
-
-
 def _even(lists) -> bool:  # uneven all-gather outputs: inputs legitimately differ per rank
     return len({t.shape for t in lists[-1]}) <= 1
+
+
+def _sizes(p: Fingerprint) -> list:  # a send and its recv must agree on dtypes and sizes, not shapes
+    return [(d, torch.Size(s).numel()) for d, s in p.tensors]
 
 
 def _peek(store, key: str):  # the key's value, or None if it is not there (get() would wait for it)
@@ -183,15 +89,19 @@ class CheckedGroup(dist.ProcessGroup):
         self.inner = inner  # the real backend: ProcessGroupGloo or ProcessGroupNCCL
         self.inner_name = inner_name  # "gloo" or "nccl": what DistEnv.backend reports
         self.store = store  # this group's own PrefixStore: every rank posts its fingerprints here
-        self.timeout = detector_timeout(timeout)  # how long to wait for a late rank
+        self.timeout = timeout  # how long to wait for a late rank: less than the group's own timeout
         self.seq = 0  # collectives issued on this group so far
         self.channels: dict = {}  # (op, peer, tag) -> sends or recvs so far on that channel
         self.error = ""  # once raised, every later operation on the group raises it again
         device = torch.device("cuda" if inner_name == "nccl" else "cpu")
         self._register_backend(device, dist.ProcessGroup.BackendType.CUSTOM, inner)  # what we don't wrap: unchecked
 
+    @staticmethod
+    def name_for(inner_name: str) -> str:  # the backend's registered name, and what dist.get_backend says
+        return f"miniddp_debug_{inner_name}"
+
     def getBackendName(self) -> str:
-        return f"miniddp_debug_{self.inner_name}"
+        return self.name_for(self.inner_name)
 
     # --8<-- [start:check]
     def check(self, op: str, agreed, args, kwargs) -> None:
@@ -201,7 +111,7 @@ class CheckedGroup(dist.ProcessGroup):
         self.seq += 1
         seq, me = self.seq, self.rank()
         keys = [f"c/{seq}/{r}" for r in range(self.size())]
-        mine = Fingerprint(seq, op, _options(args, kwargs), _tensors(agreed), *call_site())
+        mine = Fingerprint.here(seq, op, reduce_op_and_root(args, kwargs), agreed)
         # compare_set, not set: if the others already gave up on us, our slot holds their verdict
         self.store.compare_set(keys[me], "", pickle.dumps(mine))
         try:
@@ -272,7 +182,7 @@ class CheckedGroup(dist.ProcessGroup):
         self.channels[(op, peer, tag)] = n
         src, dst = (me, peer) if op == "send" else (peer, me)
         key = f"p/{src}>{dst}/{tag}/{n}/"
-        mine = Fingerprint(n, op, f"{src}->{dst}, tag {tag}", _tensors(tensors), *call_site())
+        mine = Fingerprint.here(n, op, f"{src}->{dst}, tag {tag}", tensors)
         self.store.set(key + op, pickle.dumps(mine))
         theirs = _peek(self.store, key + ("recv" if op == "send" else "send"))
         if theirs is None:  # the peer is not there yet: it will compare
@@ -282,8 +192,7 @@ class CheckedGroup(dist.ProcessGroup):
             self.store.delete_key(key + end)
         if theirs.failed:  # the peer raised on this channel's previous message
             self._fail(theirs.failed)
-        numel = lambda p: [(d, torch.Size(s).numel()) for d, s in p.tensors]  # bytes must match, not shapes
-        if numel(mine) == numel(theirs):
+        if _sizes(mine) == _sizes(theirs):
             return
         ranks, (received, sent) = dist.get_process_group_ranks(self), sorted([mine, theirs], key=lambda p: p.op)
         message = (f"a send and its recv disagree on the process group of ranks {ranks}:\n  rank {ranks[src]}: "
@@ -310,32 +219,3 @@ def _checked(method: str, op: str, inner_method: str, agreed):
 for _method, (_op, _inner, _agreed) in _COLLECTIVES.items():
     setattr(CheckedGroup, _method, _checked(_method, _op, _inner, _agreed))
 # --8<-- [end:wrap]
-
-
-# --8<-- [start:register]
-def register(inner: str) -> str:
-    """Register the checking backend around ``inner`` ("gloo" or "nccl"); return the name to init with."""
-    if inner not in ("gloo", "nccl"):
-        raise ValueError(f"{DEBUG_ENV}=collectives wraps gloo or nccl, not {inner!r}; unset {DEBUG_ENV}")
-    if f"miniddp_debug_{inner}" not in dist.Backend.backend_list:
-        dist.Backend.register_backend(f"miniddp_debug_{inner}", lambda *args: _create(inner, *args),
-                                      devices=["cuda" if inner == "nccl" else "cpu"])
-    return f"miniddp_debug_{inner}"
-
-
-def _create(inner_name: str, store, rank: int, size: int, timeout: timedelta) -> CheckedGroup:
-    """torch calls this for the default group and each ``new_group``, with that group's own store."""
-    if inner_name == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        inner = dist.ProcessGroupNCCL(dist.PrefixStore("inner/", store), rank, size, options)
-    else:
-        inner = dist.ProcessGroupGloo(dist.PrefixStore("inner/", store), rank, size, timeout)
-    return CheckedGroup(inner, inner_name, dist.PrefixStore("desync/", store), rank, size, timeout)
-# --8<-- [end:register]
-
-
-def backend_name(group=None) -> str:
-    """The real backend under ``group``: "gloo" for a checked gloo group, else ``dist.get_backend``."""
-    group = group or dist.group.WORLD
-    return group.inner_name if isinstance(group, CheckedGroup) else dist.get_backend(group)

@@ -7,7 +7,8 @@ What
     torchrun's variables, from SLURM's, or defaults to a single process;
     ``init_distributed`` selects the backend and device, and initialises the
     process group with ``ddp_timeout``; the group it creates is destroyed at exit
-    (``clean_exit.py``) if the script does not destroy it.
+    (``clean_exit.py``) if the script does not destroy it. SLURM's host lists are
+    parsed in ``slurm.py``; what a worker under torchrun needs, in ``elastic_agent.py``.
 
 Why
     Every launcher says the same thing in its own words: torchrun sets ``RANK``,
@@ -27,19 +28,16 @@ How torch differs
 from __future__ import annotations
 
 import os
-import re
-import signal
-import sys
-import threading
-import time
 from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
-from . import desync  # MINIDDP_DEBUG=collectives: the collective-desync detector
-from .clean_exit import destroy_at_exit
+from . import debug_backend  # MINIDDP_DEBUG=collectives: the collective-desync detector
 from .backend import default_device_kind, device_for_local_rank, select_backend
+from .clean_exit import destroy_at_exit
+from .elastic_agent import die_with_launcher, restart_scoped_store
+from .slurm import parse_slurm_nodelist, parse_slurm_tasks_per_node
 from .timeouts import DEFAULT_TIMEOUT_S, as_timedelta
 
 LOOPBACK = "127.0.0.1"  # single-node jobs meet on loopback: nothing is exposed to the network
@@ -140,77 +138,6 @@ def _from_slurm(env) -> DistEnv:
 # --8<-- [end:slurm]
 
 
-_HOST = re.compile(r"([^,\[\]]*)(\[[^\[\]]*\])?")  # a prefix, then an optional [ranges]
-
-
-# --8<-- [start:nodelist]
-def parse_slurm_nodelist(nodelist: str) -> list[str]:
-    """Expand SLURM's compressed host list: ``"node[01-03,07],gpu5"`` ->
-    ``["node01", "node02", "node03", "node07", "gpu5"]``. Zero padding is kept;
-    several bracket groups in one name multiply (``r[1-2]n[1-2]`` -> 4 hosts)."""
-    if not isinstance(nodelist, str) or not nodelist.strip():
-        raise ValueError(f"SLURM_NODELIST={nodelist!r} is empty; expected e.g. 'node[01-04],gpu5'")
-    text = nodelist.strip()
-    if text.count("[") != text.count("]"):
-        raise ValueError(f"SLURM_NODELIST={nodelist!r} has unbalanced brackets")
-    hosts: list[str] = []
-    for name in _split_top_level(text, nodelist):
-        expansions = [""]
-        for prefix, bracket in _HOST.findall(name):
-            if not prefix and not bracket:
-                continue
-            parts = [prefix]
-            if bracket:
-                parts = [prefix + n for n in _expand_ranges(bracket[1:-1], nodelist)]
-            expansions = [e + p for e in expansions for p in parts]
-        hosts.extend(expansions)
-    return hosts
-# --8<-- [end:nodelist]
-
-
-def _split_top_level(text: str, original: str) -> list[str]:
-    """Split at commas that are not inside brackets."""
-    names, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        depth += (ch == "[") - (ch == "]")
-        if depth not in (0, 1):
-            raise ValueError(f"SLURM_NODELIST={original!r} has nested or stray brackets")
-        if ch == "," and depth == 0:
-            names.append(text[start:i])
-            start = i + 1
-    names.append(text[start:])
-    if any(not n or n.startswith("[") for n in names):
-        raise ValueError(f"SLURM_NODELIST={original!r} has an empty host name")
-    return names
-
-
-def _expand_ranges(spec: str, original: str) -> list[str]:
-    out = []
-    for item in spec.split(","):
-        lo, sep, hi = item.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise ValueError(f"SLURM_NODELIST={original!r}: {item!r} is not a number or a range like 01-04")
-        if not sep:
-            out.append(lo)
-            continue
-        if int(hi) < int(lo):
-            raise ValueError(f"SLURM_NODELIST={original!r}: range {item!r} runs backwards")
-        width = len(lo)  # "01-04" keeps two digits
-        out.extend(str(n).zfill(width) for n in range(int(lo), int(hi) + 1))
-    return out
-
-
-def parse_slurm_tasks_per_node(spec: str) -> list[int]:
-    """``SLURM_TASKS_PER_NODE="4(x2),3"`` -> ``[4, 4, 3]`` (tasks on each node)."""
-    counts = []
-    for item in spec.split(","):
-        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
-        if not m:
-            raise ValueError(f"SLURM_TASKS_PER_NODE={spec!r}: cannot read {item!r}")
-        counts.extend([int(m.group(1))] * int(m.group(2) or 1))
-    return counts
-
-
 # --8<-- [start:init_distributed]
 def init_distributed(backend: str = "auto", timeout=DEFAULT_TIMEOUT_S, env: DistEnv | None = None,
                      device: str | None = None) -> DistEnv:
@@ -229,7 +156,7 @@ def init_distributed(backend: str = "auto", timeout=DEFAULT_TIMEOUT_S, env: Dist
     name = select_backend(kind, backend)
     device = device_for_local_rank(env.local_rank, kind, share=name == "gloo")
     if dist.is_initialized():  # already joined (e.g. a notebook cell run twice)
-        return replace(env, backend=desync.backend_name(), device=device)
+        return replace(env, backend=debug_backend.backend_name(), device=device)
     kwargs = dict(backend=name, rank=env.rank, world_size=env.world_size, timeout=as_timedelta(timeout))
     if env.source == "torchrun":
         die_with_launcher()  # a killed torchrun must not leave its workers training on, unseen
@@ -243,41 +170,10 @@ def init_distributed(backend: str = "auto", timeout=DEFAULT_TIMEOUT_S, env: Dist
         kwargs["init_method"] = f"tcp://{env.master_addr}:{env.master_port}"
     if name == "nccl":
         kwargs["device_id"] = device  # binds the communicator to our GPU eagerly
-    if desync.enabled():  # MINIDDP_DEBUG=collectives: every collective is compared across ranks first
-        kwargs["backend"] = desync.register(name)
+    if debug_backend.enabled():  # MINIDDP_DEBUG=collectives: every collective is compared across ranks first
+        kwargs["backend"] = debug_backend.register(name)
         kwargs.pop("device_id", None)  # a Python group binds no device: NCCL connects at its first collective
     dist.init_process_group(**kwargs)
     destroy_at_exit()  # gone before interpreter teardown, even if the script never destroys it
     return replace(env, backend=name, device=device)
 # --8<-- [end:init_distributed]
-
-
-def die_with_launcher(poll_s: float = 1.0) -> None:
-    """End this worker (SIGTERM) when its launcher dies: a daemon thread watches the parent pid.
-
-    ``kill -9`` of torchrun leaves its workers running, orphaned: still training, still
-    holding the output directory's lock, and invisible to the next ``torchrun``.
-    (``prctl(PR_SET_PDEATHSIG)`` would fire when the *thread* that started us exits.)
-    """
-    launcher = os.getppid()
-
-    def watch():
-        while os.getppid() == launcher:
-            time.sleep(poll_s)
-        print(f"miniddp: the launcher (pid {launcher}) died; rank {os.environ.get('RANK')} stops",
-              file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGTERM)
-    threading.Thread(target=watch, name="miniddp-die-with-launcher", daemon=True).start()
-
-
-# --8<-- [start:restart_scoped_store]
-def restart_scoped_store(env: DistEnv, timeout) -> dist.Store:
-    """torchrun's agent store, under a prefix of its own for each restart attempt.
-
-    torch 2.13's ``env://`` reuses the agent's store across ``--max-restarts`` attempts
-    without a prefix, so a restarted gloo group can read the dead attempt's addresses
-    and fail ("Connection refused") or hang in ``connectFullMesh`` (3 of 4 restarts here).
-    """
-    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"miniddp/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-# --8<-- [end:restart_scoped_store]

@@ -6,7 +6,8 @@ user needs.
 """
 
 from .process_group.backend import DEVICE_BACKENDS, device_for_local_rank, select_backend
-from .process_group.env import DistEnv, init_distributed, parse_slurm_nodelist
+from .process_group.env import DistEnv, init_distributed
+from .process_group.slurm import parse_slurm_nodelist
 from .process_group.timeouts import DEFAULT_TIMEOUT_S, as_timedelta
 from .process_group.monitored_barrier import monitored_barrier
 from .process_group.stalled_ranks import StalledRankError

@@ -20,7 +20,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from models import MODELS
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.data import TensorDataset
 
@@ -33,6 +32,8 @@ from miniddp.training.output_dir import LOCK, OutputDirError, claim_output_dir
 from miniddp.training.tasks import make_task
 from miniddp.training.timeline import MANIFEST, checkpoints
 from miniddp.training.torchrun_args import script_env, torchrun_args
+
+from models import MODELS
 
 BIN = Path(sys.executable).parent
 SMALL = dict(dataset_size=64, eval_size=0, per_device_train_batch_size=8, disable_tqdm=True, logging_steps=1)

@@ -14,8 +14,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from miniddp.by_hand.averaging import (all_reduce_mean, average_gradients, chunk_bounds, naive_all_reduce,
-                               ring_all_reduce, ring_schedule)
+from miniddp.by_hand.averaging import (
+    all_reduce_mean,
+    average_gradients,
+    chunk_bounds,
+    naive_all_reduce,
+    ring_all_reduce,
+    ring_schedule,
+)
 from miniddp.testing import backend_params, run_on_ranks
 
 TIMEOUT = 60

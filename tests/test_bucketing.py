@@ -8,9 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import miniddp
-from miniddp.engine.bucketing import MiB, Bucket, bucket_size_limits
-from miniddp.testing import run_on_ranks
 from miniddp.diagnostics.trace import Tracer
+from miniddp.engine.bucketing import Bucket, MiB, bucket_size_limits
+from miniddp.testing import run_on_ranks
+
 from models import MODELS
 
 

@@ -24,6 +24,7 @@ from miniddp import comm_hooks
 from miniddp.comm_hooks import GradBucket, call_order, count_bytes
 from miniddp.comm_hooks.powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook, powersgd_reference
 from miniddp.testing import run_on_ranks
+
 from models import MODELS
 
 

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
 from miniddp.testing import backend_params, run_on_ranks
+
 from models import MODELS
 
 TORCH_ONLY = {"tracer"}
@@ -61,8 +62,10 @@ def _parity(rank, world_size, backend, model_name, options, steps, accumulation,
                     F.mse_loss(model(x), y).backward()
             for (name, p), q in zip(mine.named_parameters(), theirs.parameters()):
                 worst_grad = max(worst_grad, _max_diff(p.grad, q.grad))
-        opt_ours.step(); opt_ref.step()
-        opt_ours.zero_grad(); opt_ref.zero_grad()
+        opt_ours.step()
+        opt_ref.step()
+        opt_ours.zero_grad()
+        opt_ref.zero_grad()
         for a, b in zip(mine.state_dict().values(), theirs.state_dict().values()):
             worst_param = max(worst_param, _max_diff(a, b))
     flat = torch.cat([p.detach().double().flatten() for p in mine.parameters()])
@@ -174,7 +177,10 @@ def _against_one_process(rank, world_size, steps):
         x, y = torch.randn(4 * world_size, 8), torch.randn(4 * world_size, 4)
         F.mse_loss(ddp(x[rank::world_size]), y[rank::world_size]).backward()  # my shard
         F.mse_loss(oracle(x), y).backward()  # everything
-        opt.step(); opt_oracle.step(); opt.zero_grad(); opt_oracle.zero_grad()
+        opt.step()
+        opt_oracle.step()
+        opt.zero_grad()
+        opt_oracle.zero_grad()
     return max((p - q).abs().max().item() for p, q in zip(model.parameters(), oracle.parameters()))
 # --8<-- [end:whole_batch]
 

@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import miniddp
 from miniddp.process_group import debug_backend, fingerprint
 from miniddp.testing import backend_params, run_on_ranks
+
 from models import MLP
 
 PG_TIMEOUT = 5  # seconds: the process group's own timeout in every scenario
@@ -164,7 +165,8 @@ def test_stalled_rank_is_named_with_its_last_op_before_the_group_timeout():
     assert f"rank 1 issued nothing after #1 all_reduce(SUM) float32[4] from user code at {last}" in message
     assert f"rank 0: #2 all_reduce(SUM) float32[4] from user code at {waiting}" in message
     waited = results[0][1]
-    assert detector_timeout <= waited < PG_TIMEOUT, f"rank 0 waited {waited:.1f} s; the group times out after {PG_TIMEOUT} s"
+    assert detector_timeout <= waited < PG_TIMEOUT, (f"rank 0 waited {waited:.1f} s; "
+                                                     f"the group times out after {PG_TIMEOUT} s")
     assert results[1][1] < detector_timeout, "the late rank must raise at once, not wait for the others again"
 # --8<-- [end:stall]
 

@@ -22,8 +22,9 @@ from torch.utils.checkpoint import checkpoint
 
 import miniddp
 from miniddp.engine.buffers import ParameterMismatchError
-from miniddp.training.checkpoint import load_checkpoint, save_checkpoint
 from miniddp.testing import RankError, run_on_ranks
+from miniddp.training.checkpoint import load_checkpoint, save_checkpoint
+
 from models import MODELS
 
 
@@ -223,7 +224,8 @@ def _requires_grad_after_wrap(rank, world_size):
 
 def test_requires_grad_changed_after_wrapping_says_so():
     for name, message in run_on_ranks(_requires_grad_after_wrap, 2, timeout=60):
-        assert name == "RuntimeError" and "fc1.weight.requires_grad changed from True to False after wrapping" in message
+        assert name == "RuntimeError"
+        assert "fc1.weight.requires_grad changed from True to False after wrapping" in message
 
 
 def _sparse(rank, world_size):

@@ -19,7 +19,8 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
 from miniddp.engine.join import EarlyTerminationError
-from miniddp.testing import RankError, run_on_ranks
+from miniddp.testing import run_on_ranks
+
 from models import MODELS
 
 

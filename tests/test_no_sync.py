@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
 from miniddp.testing import run_on_ranks
+
 from models import MODELS
 
 
@@ -154,12 +155,14 @@ def _train_with_schedule(rank, world_size, schedule, k, n):
                 (F.mse_loss(ddp(x), y) / length).backward()
             batches.append((step, x, y))
             step += 1
-        opt.step(); opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
         for s in range(start, step):  # the oracle sees every rank's micro-batches of the window
             for r in range(world_size):
                 xr, yr = _batch(r, s)
                 (F.mse_loss(oracle(xr), yr) / (length * world_size)).backward()
-        opt_oracle.step(); opt_oracle.zero_grad()
+        opt_oracle.step()
+        opt_oracle.zero_grad()
         start = step
     return max((p - q).abs().max().item() for p, q in zip(model.parameters(), oracle.parameters()))
 # --8<-- [end:schedule_oracle]

@@ -10,10 +10,11 @@ import torch
 import torch.nn.functional as F
 
 import miniddp
-from miniddp.testing import backend_params, run_on_ranks
 from miniddp.diagnostics.timeline import plot_timeline
 from miniddp.diagnostics.trace import Tracer, save_chrome_trace, step_summary, to_chrome_trace
 from miniddp.engine.observers import ReducerObserver
+from miniddp.testing import backend_params, run_on_ranks
+
 from models import MODELS
 
 

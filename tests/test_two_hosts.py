@@ -41,9 +41,10 @@ import torch.distributed as dist
 import yaml
 
 import miniddp.process_group.stalled_ranks as stalled_ranks
-from hosts import Host, two_hosts, unavailable
-from miniddp.training.checkpoint import MANIFEST, load_checkpoint
 from miniddp.testing import run_on_ranks
+from miniddp.training.checkpoint import MANIFEST, load_checkpoint
+
+from hosts import Host, two_hosts, unavailable
 
 BIN = Path(sys.executable).parent  # torchrun and the miniddp console script, beside this python
 DDP_TIMEOUT = 20  # seconds; the cut-off job's collectives give up after this

@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
-from miniddp.testing import run_on_ranks
 from miniddp.engine.unused import UnusedParameterError, unused_parameters
+from miniddp.testing import run_on_ranks
+
 from models import MODELS
 
 

@@ -141,7 +141,8 @@ PATH = [
 
 # Concept page -> the modules it explains (their API entries are api.md#<module>).
 API_OF = {
-    "backend-selection.md": ["miniddp.process_group.backend", "miniddp.process_group.env", "miniddp.process_group.slurm",
+    "backend-selection.md": ["miniddp.process_group.backend", "miniddp.process_group.env",
+                             "miniddp.process_group.slurm",
                              "miniddp.process_group.elastic_agent"],
     "timeouts.md": ["miniddp.process_group.timeouts", "miniddp.process_group.monitored_barrier",
                     "miniddp.process_group.stalled_ranks", "miniddp.process_group.process_info"],

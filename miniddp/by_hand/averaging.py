@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..process_group.desync import issued_as
+from ..process_group.fingerprint import issued_as
 
 
 def _gradients(params_or_module) -> list[torch.Tensor]:
@@ -82,6 +82,7 @@ def all_reduce_mean(tensor: torch.Tensor, group=None, *, predivide: bool = True)
 
 
 # --8<-- [start:average_gradients]
+@issued_as("naive gradient all-reduce")
 def average_gradients(params_or_module, group=None, *, predivide: bool = True) -> int:
     """Replace every gradient by its mean over the group's ranks; return the collectives issued.
 

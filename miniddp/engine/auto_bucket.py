@@ -29,7 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..process_group.desync import issued_as
+from ..process_group.fingerprint import issued_as
 from .alpha_beta import AlphaBeta, fit_alpha_beta, measure_all_reduce
 from .costmodel import best_bucket_cap_mb
 from .observers import ReducerObserver

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..process_group.desync import issued_as
+from ..process_group.fingerprint import issued_as
 
 BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # torch's _DEFAULT_BROADCAST bucket at wrap
 

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from ..process_group.clean_exit import group_or_default
-from ..process_group.desync import issued_as
-from ..process_group.timeouts import announce_process
+from ..process_group.fingerprint import issued_as
+from ..process_group.process_info import announce_process
 from .auto_bucket import AutoBucketCap
 from .bucketing import bucket_size_limits
 from .buffers import (

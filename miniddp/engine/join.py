@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..process_group.desync import issued_as
+from ..process_group.fingerprint import issued_as
 
 WARN_AFTER_ROUNDS = 1000  # torch warns when joined ranks shadow this many iterations
 

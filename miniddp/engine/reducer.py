@@ -33,7 +33,7 @@ from ..comm_hooks.byte_count import all_reduce
 from ..comm_hooks.call_order import CallOrder
 from ..comm_hooks.grad_bucket import checked_future, hook_result
 from ..process_group.clean_exit import group_or_default
-from ..process_group.desync import issued_as
+from ..process_group.fingerprint import issued_as
 from . import stalls
 from .autograd_hooks import hook_once, on_backward_start
 from .bucketing import build_buckets, check_dense, compute_bucket_assignment, rebuilt_assignment

@@ -4,7 +4,7 @@ What
     ``wait(future, what, group)`` waits for one of the reducer's futures (a bucket's, or the used
     counts'). If the collective behind it times out or loses a peer, the error is a
     ``StalledRankError`` that names ``what`` ("all-reduce of bucket 2 in backward #7") and the
-    ranks that never reached it (``process_group.timeouts.naming_stalled_ranks``).
+    ranks that never reached it (``process_group.stalled_ranks.naming_stalled_ranks``).
 
 Why
     A rank stuck in its data loader or dead leaves the others blocked inside ``loss.backward()``;
@@ -19,7 +19,7 @@ How torch differs
 
 from __future__ import annotations
 
-from ..process_group.timeouts import naming_stalled_ranks
+from ..process_group.stalled_ranks import naming_stalled_ranks
 
 
 def wait(future, what: str, group):

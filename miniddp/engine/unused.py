@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm_hooks.byte_count import record
+from ..process_group.fingerprint import issued_as
 
 
 class UnusedParameterError(RuntimeError):
@@ -122,6 +123,7 @@ class UsedCounts:
         if grad is not None and grad.data_ptr() == view.data_ptr():
             self.kept[i] = grad.clone()
 
+    @issued_as("used-counts all-reduce")
     def all_reduce(self, group, device) -> torch.futures.Future:
         self.summed = torch.tensor(self.local, dtype=torch.int32).to(device, non_blocking=True)  # no stream sync
         record("all_reduce (used counts)", self.summed)

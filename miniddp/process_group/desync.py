@@ -30,10 +30,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .fingerprint import Fingerprint, issued_as, reduce_op_and_root
+from .fingerprint import Fingerprint, reduce_op_and_root
 
-# issued_as lives in fingerprint.py; the layers above import it from here too
-__all__ = ["CheckedGroup", "CollectiveMismatchError", "TIMEOUT_ENV", "issued_as"]
+__all__ = ["CheckedGroup", "CollectiveMismatchError", "TIMEOUT_ENV"]
 
 TIMEOUT_ENV = "MINIDDP_DEBUG_TIMEOUT"  # seconds to wait for a late rank (debug_backend.detector_timeout)
 _ABSENT = "\x00absent"  # compare_set(key, _ABSENT, _ABSENT) reads a key without waiting for it

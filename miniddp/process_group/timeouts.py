@@ -25,11 +25,7 @@ from __future__ import annotations
 import math
 from datetime import timedelta
 
-# The layers above import these from here too; they live in stalled_ranks.py and process_info.py.
-from .process_info import announce_process
-from .stalled_ranks import StalledRankError, naming_stalled_ranks
-
-__all__ = ["DEFAULT_TIMEOUT_S", "StalledRankError", "announce_process", "as_timedelta", "naming_stalled_ranks"]
+__all__ = ["DEFAULT_TIMEOUT_S", "as_timedelta"]
 
 #: Hugging Face's default ``ddp_timeout``: 30 minutes.
 DEFAULT_TIMEOUT_S = 1800

@@ -139,7 +139,7 @@ def main(argv=None) -> dict:
     config = parse_config(argv)
     import torch.distributed as dist  # torch-heavy imports after the flags are known to be good
 
-    from ..process_group.timeouts import StalledRankError
+    from ..process_group.stalled_ranks import StalledRankError
     from .checkpoint import CHECKPOINT_ERRORS
     from .nonfinite import NonFiniteLossError
     from .output_dir import OutputDirError

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..process_group.timeouts import naming_stalled_ranks
+from ..process_group.stalled_ranks import naming_stalled_ranks
 from .output_dir import OutputDirError
 
 

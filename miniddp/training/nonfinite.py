@@ -32,7 +32,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..process_group.timeouts import naming_stalled_ranks
+from ..process_group.stalled_ranks import naming_stalled_ranks
 from .timeline import checkpoints
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ..process_group.timeouts import naming_stalled_ranks
+from ..process_group.stalled_ranks import naming_stalled_ranks
 from .batches import evaluate
 from .every_rank import on_every_rank
 from .nonfinite import finite_or_null

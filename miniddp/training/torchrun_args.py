@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import socket
 
-from ..process_group.env import parse_slurm_nodelist
+from ..process_group.slurm import parse_slurm_nodelist
 from .accelerate_config import LaunchError
 
 

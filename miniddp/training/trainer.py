@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from ..engine.ddp import move_to
 from ..process_group.env import init_distributed
-from ..process_group.timeouts import naming_stalled_ranks
+from ..process_group.stalled_ranks import naming_stalled_ranks
 from .batches import compute_loss, count_items
 from .config import TrainingConfig
 from .epoch import plan_epoch

@@ -1,41 +1,25 @@
 """All-reduce averaging: turning N ranks' gradients into one mean gradient.
 
 What
-    ``average_gradients(params_or_module, group=None)`` is data parallelism's
-    naive baseline: after ``backward()``, one ``all_reduce(SUM)`` per parameter
-    that has a gradient, divided by the world size, so every rank ends up with the
-    mean gradient and takes the same optimizer step. It returns how many
-    collectives it issued (one per gradient: the number bucketing later shrinks).
-    ``all_reduce_mean`` is the one-tensor step, with the division placed *before*
-    the sum (``predivide=True``, what DDP does) or after it.
-    ``ring_all_reduce(tensor, group=None)`` is the algorithm under
-    ``dist.all_reduce``, written with point-to-point ``isend``/``irecv`` only:
-    a reduce-scatter then an all-gather around a ring of ``world_size`` ranks,
-    over ``world_size`` chunks of (possibly unequal, possibly empty) size.
-    ``naive_all_reduce`` (all-gather, then sum) is the reference it is tested against.
+    ``average_gradients(params_or_module, group=None)`` is the naive baseline: after
+    ``backward()``, one ``all_reduce(SUM)`` per gradient, divided by the world size (before
+    the sum with ``predivide=True``, as DDP does; ``all_reduce_mean`` is that one-tensor step).
+    ``ring_all_reduce(tensor, group=None)`` is the algorithm under ``dist.all_reduce``, from
+    ``isend``/``irecv`` only: a reduce-scatter then an all-gather around a ring, over
+    ``world_size`` chunks of any size; ``naive_all_reduce`` is its reference.
 
 Why
-    Averaging is the whole of data parallelism's arithmetic: if every rank's
-    gradient is the mean loss's gradient on its shard, their mean is the gradient
-    on the global batch (the DDP paper, arXiv 2006.15704, section 2). Where the
-    division happens matters in low precision: summing fp16 gradients first can
-    overflow (65504 is fp16's largest value), dividing first can underflow.
-    The ring matters for speed: each rank sends and receives 2(n-1)/n of the
-    tensor, independent of n, which is the factor nccl-tests multiplies the
-    algorithm bandwidth by to report "bus bandwidth" (nccl-tests,
-    ``doc/PERFORMANCE.md``).
+    The mean of the shards' gradients is the global batch's gradient (the DDP paper, arXiv
+    2006.15704, section 2). Where the division happens matters in low precision: summing fp16
+    first can overflow, dividing first can underflow. On a ring each rank sends 2(n-1)/n of the
+    tensor whatever n is: nccl-tests' "bus bandwidth" factor (``doc/PERFORMANCE.md``).
 
 How torch differs
-    DDP never issues one collective per parameter: it copies gradients into
-    ~25 MB buckets and all-reduces each bucket as soon as it is full, while
-    backward is still running (``bucketing.py``). It pre-divides, fused with the
-    copy into the bucket (``mark_variable_ready_dense`` in
-    ``torch/csrc/distributed/c10d/reducer.cpp``: ``grad * (1 / world_size)``).
-    NCCL's ``ncclAvg`` on floats is a pre-multiplied sum too (``ncclDevPreMulSum``
-    with ``1/nranks``); gloo rejected ``ReduceOp.AVG`` until torch 2.7 and now
-    implements it as SUM then divide (pytorch/pytorch#149781): post-division,
-    and still no integers. NCCL and gloo pick ring, tree or other algorithms by
-    size and topology and pipeline each chunk in slices; ours is the plain ring.
+    DDP issues one collective per ~25 MB bucket while backward runs (``engine/bucketing.py``),
+    dividing as it copies into the bucket (``mark_variable_ready_dense`` in ``reducer.cpp``).
+    gloo's ``ReduceOp.AVG`` (torch >= 2.7) is SUM then divide (pytorch/pytorch#149781); NCCL's
+    ``ncclAvg`` is a pre-multiplied sum. Both pick ring, tree or other algorithms by size and
+    topology and pipeline chunks in slices; ours is the plain ring.
 """
 
 from __future__ import annotations

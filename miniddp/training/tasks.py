@@ -1,37 +1,24 @@
 """Built-in tasks for the trainer: generated from a seed, nothing downloaded.
 
 What
-    ``make_task(config)`` returns the ``Trainer``'s keyword arguments for one
-    task: ``model``, ``train_dataset``, ``eval_dataset``, ``data_collator``,
-    ``compute_loss_func`` and ``compute_metrics`` (accuracy). The tasks use the
-    Trainer's public API like any user's, so that ``Trainer(args=config,
-    **make_task(config))`` trains them:
-
-    * ``mlp``: 4-class classification of points drawn around 4 random centres in
-      32 dimensions; an MLP reaches >90% held-out accuracy in a few hundred steps.
-    * ``bn``: the same data, and an MLP with ``BatchNorm1d`` — its buffers make
-      ``ddp_broadcast_buffers`` matter, and make split equivalence fail
-      (batch statistics depend on the per-device batch).
-    * ``lm``: a tiny causal language model on sequences of *variable length*
-      (4..32 tokens) from a simple synthetic grammar; padding is labelled -100 —
-      where averaging micro-batch means is *not* the mean over all tokens.
-
-    ``loss_normalization`` picks the loss, the two ways Hugging Face users have:
-    ``per_batch`` gives dict batches (a collator names the columns) to a model
-    that returns its own loss, a mean over its micro-batch's labels;
-    ``global_tokens`` gives tuple batches to ``sum_over_num_items``, which sums
-    the losses of the labels and divides by ``num_items_in_batch``.
+    ``make_task(config)`` returns the ``Trainer``'s keyword arguments (``model``,
+    ``train_dataset``, ``eval_dataset``, ``data_collator``, ``compute_loss_func``,
+    ``compute_metrics``) for one task, through the Trainer's public API like any user's:
+    ``mlp`` (4 Gaussian classes in 32 dimensions), ``bn`` (the same with ``BatchNorm1d``: its
+    buffers make ``ddp_broadcast_buffers`` matter and split equivalence fail) and ``lm`` (a tiny
+    causal LM on variable-length sequences, padding labelled -100: where averaging micro-batch
+    means is not the mean over tokens). ``loss_normalization`` picks the loss: ``per_batch``
+    (dict batches, the model's own mean loss) or ``global_tokens`` (tuple batches, summed and
+    divided by ``num_items_in_batch``).
 
 Why
-    Tests, notebooks and the README's command must run on a machine with no
-    network. Each task is small enough to train on a laptop's CPU while a test
-    waits, and still shows the phenomenon it is there for.
+    Tests, notebooks and the README's command run with no network, and each task still shows
+    the phenomenon it is there for.
 
 How Hugging Face differs
-    Its examples download a dataset (``datasets.load_dataset``) and a pretrained model. The
-    built-in models follow its conventions instead: ``{"logits", "loss"}`` outputs, a loss
-    computed when ``labels`` are given, -100 for labels that do not count, and
-    ``gradient_checkpointing_enable()``.
+    Its examples download a dataset and a pretrained model. The built-in models follow its
+    conventions instead: ``{"logits", "loss"}`` outputs, a loss when ``labels`` are given, -100
+    for labels that do not count, and ``gradient_checkpointing_enable()``.
 """
 
 from __future__ import annotations

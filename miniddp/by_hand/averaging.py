@@ -55,6 +55,7 @@ def _gradients(params_or_module) -> list[torch.Tensor]:
 @torch.no_grad()  # in-place on gradients (or parameters): not part of any graph
 def all_reduce_mean(tensor: torch.Tensor, group=None, *, predivide: bool = True) -> torch.Tensor:
     """Mean over the group's ranks, in place: divide then SUM (``predivide``) or SUM then divide."""
+    ### BEGIN SOLUTION
     world = dist.get_world_size(group)
     if predivide:  # what DDP does: the sum can then never exceed the largest input
         tensor.div_(world)
@@ -62,6 +63,7 @@ def all_reduce_mean(tensor: torch.Tensor, group=None, *, predivide: bool = True)
     if not predivide:  # the sum of N gradients may overflow fp16 before we divide
         tensor.div_(world)
     return tensor
+    ### END SOLUTION
 # --8<-- [end:all_reduce_mean]
 
 
@@ -77,17 +79,20 @@ def average_gradients(params_or_module, group=None, *, predivide: bool = True) -
     """
     if dist.get_rank(group) < 0:  # not in the group (size -1): nothing to average here
         return 0
+    ### BEGIN SOLUTION
     collectives = 0  # one all-reduce per gradient: what bucketing reduces
     for grad in _gradients(params_or_module):
         all_reduce_mean(grad, group, predivide=predivide)
         collectives += 1
     return collectives
+    ### END SOLUTION
 # --8<-- [end:average_gradients]
 
 
 # --8<-- [start:chunks]
 def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
     """Split ``numel`` elements into ``world_size`` contiguous chunks; the first ``numel % n`` get one more."""
+    ### BEGIN SOLUTION
     base, extra = divmod(numel, world_size)
     bounds, start = [], 0
     for i in range(world_size):
@@ -95,6 +100,7 @@ def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
         bounds.append((start, end))
         start = end
     return bounds
+    ### END SOLUTION
 
 
 def ring_schedule(rank: int, world_size: int) -> list[tuple[str, int, int]]:
@@ -104,10 +110,12 @@ def ring_schedule(rank: int, world_size: int) -> list[tuple[str, int, int]]:
     s + 2 ranks; after n-1 steps rank r owns the full sum of chunk (r + 1) % n.
     The all-gather then passes each finished chunk once around the ring.
     """
+    ### BEGIN SOLUTION
     n = world_size
     reduce_scatter = [("reduce-scatter", (rank - s) % n, (rank - s - 1) % n) for s in range(n - 1)]
     all_gather = [("all-gather", (rank + 1 - s) % n, (rank - s) % n) for s in range(n - 1)]
     return reduce_scatter + all_gather
+    ### END SOLUTION
 # --8<-- [end:chunks]
 
 
@@ -150,6 +158,7 @@ def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
     flat = tensor.view(-1) if contiguous else tensor.contiguous().view(-1)
     bounds = chunk_bounds(flat.numel(), n)
     scratch = torch.empty(bounds[0][1] - bounds[0][0], dtype=tensor.dtype, device=tensor.device)
+    ### BEGIN SOLUTION
     for phase, send_i, recv_i in ring_schedule(rank, n):
         (s0, s1), (r0, r1) = bounds[send_i], bounds[recv_i]
         if phase == "reduce-scatter":  # receive a partial sum, add ours to it
@@ -158,6 +167,7 @@ def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
             flat[r0:r1].add_(incoming)
         else:  # all-gather: receive a finished chunk straight into place
             _exchange(flat[s0:s1], right, flat[r0:r1], left, group)
+    ### END SOLUTION
     if not contiguous:  # write the copy's result back into the caller's tensor
         tensor.copy_(flat.view(tensor.shape))
     return tensor

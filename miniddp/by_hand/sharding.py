@@ -102,9 +102,11 @@ class ShardSampler(Sampler[int]):
     # --8<-- [start:num_samples]
     def _num_samples(self, n: int) -> int:
         """Samples per rank: round up (pad) by default, round down (trim) with drop_last."""
+        ### BEGIN SOLUTION
         if self.drop_last:
             return n // self.num_replicas  # torch writes ceil((n - R) / R): the same number
         return -(-n // self.num_replicas)  # ceil(n / R) without floats
+        ### END SOLUTION
     # --8<-- [end:num_samples]
 
     # --8<-- [start:iter]
@@ -115,6 +117,7 @@ class ShardSampler(Sampler[int]):
             check_same_on_every_rank(number, self.rank, self.num_replicas,
                                      {"seed": self.seed, "len(dataset)": len(self.dataset), "shuffle": self.shuffle,
                                       "drop_last": self.drop_last})
+        ### BEGIN SOLUTION
         n = len(self.dataset)
         if self.shuffle:  # the same permutation on every rank: same seed, same epoch
             g = torch.Generator()
@@ -133,6 +136,7 @@ class ShardSampler(Sampler[int]):
         shard = indices[self.rank : self.total_size : self.num_replicas]  # stride by rank
         assert len(shard) == self.num_samples, (len(shard), self.num_samples)
         return iter(shard)
+        ### END SOLUTION
     # --8<-- [end:iter]
 
     def __len__(self) -> int:
@@ -149,7 +153,9 @@ class ShardSampler(Sampler[int]):
     # --8<-- [start:set_epoch]
     def set_epoch(self, epoch: int) -> None:
         """Reseed the shuffle: call at the start of every epoch, on every rank, with the same value."""
+        ### BEGIN SOLUTION
         self.epoch = epoch
+        ### END SOLUTION
     # --8<-- [end:set_epoch]
 
     def __repr__(self) -> str:

@@ -1,0 +1,19 @@
+"""Build it yourself: each concept an exercise, checked by the same spec the project runs on itself.
+
+What
+    ``miniddp exercise list | start NAME [--dir D] | check NAME [--dir D] | solution NAME``.
+    ``start`` writes the learner's file: the concept's module with each solution block
+    (``### BEGIN SOLUTION`` / ``### END SOLUTION``, nbgrader's markers) replaced by a
+    ``NotImplementedError`` naming the docs section (``skeleton.py``). ``check`` runs the concept's
+    spec tests, the project's own, with the learner's names in place of miniddp's in every
+    process, ranks included (``swap.py``); the rest of miniddp stays the reference.
+
+Why
+    Reading a solution and watching its tests pass is not the same as writing it. The spec that
+    holds miniddp to torch's oracles holds the learner to them too, with no second copy to drift.
+
+How others differ
+    Stanford CS336 and CMU 11-868 ship skeletons and graders without a public reference;
+    picotron's tutorial is a reference without tests; ARENA checks collectives against a fake
+    ``torch.distributed``. Here skeleton, spec, reference and explanation are one source.
+"""

@@ -1,0 +1,146 @@
+"""`miniddp exercise`: the spec checks a learner's file, and can fail.
+
+For every exercise: the reference (its source without the solution markers) passes its whole
+spec through the swap, the untouched skeleton fails, and each classic mistake fails the spec item
+that explains it. A mistake is the reference with one edit, the way a learner gets it wrong. To
+keep the suite fast, a mistake runs only the items it must fail (one pytest process each); the
+reference runs every item once.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from miniddp.exercise.catalog import BY_NAME, EXERCISES
+from miniddp.exercise.cli import main, run_check
+from miniddp.exercise.skeleton import BEGIN, END, make_skeleton, reference_without_markers
+from miniddp.exercise.swap import LearnerFileError
+
+ROOT = Path(__file__).resolve().parents[1]
+HANG_TIMEOUT_S = 15  # the wrong-way ring deadlocks on uneven chunks: the check's timeout stops it
+S, A = "tests/test_sharding.py::", "tests/test_averaging.py::"
+
+# exercise -> (what the learner got wrong, the reference text, what they wrote, the items it must fail)
+MISTAKES = {
+    "sharding": [
+        ("no padding: ranks get different numbers of samples",
+         """            while len(indices) < self.total_size:
+                indices += indices[: self.total_size - len(indices)]
+        assert len(indices) == self.total_size, (len(indices), self.total_size)
+
+        shard = indices[self.rank : self.total_size : self.num_replicas]  # stride by rank
+        assert len(shard) == self.num_samples, (len(shard), self.num_samples)""",
+         """            pass
+        shard = indices[self.rank :: self.num_replicas]""",
+         [S + "test_every_rank_gets_the_same_number_of_samples"]),
+        ("set_epoch ignored: every epoch the same order",
+         "        self.epoch = epoch\n", "        pass\n",
+         [S + "test_without_set_epoch_every_epoch_has_the_same_order"]),
+        ("the permutation seeded with the rank: shards overlap",
+         "g.manual_seed(self.seed + self.epoch)", "g.manual_seed(self.seed + self.epoch + self.rank)",
+         [S + "test_shards_cover_the_data_and_overlap_only_by_padding"]),
+        ("contiguous blocks instead of a stride: the global batch depends on the split",
+         "shard = indices[self.rank : self.total_size : self.num_replicas]",
+         "shard = indices[self.rank * self.num_samples : (self.rank + 1) * self.num_samples]",
+         [S + "test_global_batch_is_the_same_set_whatever_the_split"]),
+    ],
+    "averaging": [
+        ("no division by the world size: the sum, not the mean",
+         """    if predivide:  # what DDP does: the sum can then never exceed the largest input
+        tensor.div_(world)""", """    if predivide:  # what DDP does: the sum can then never exceed the largest input
+        pass""",
+         [A + "test_average_gradients_is_the_mean_over_ranks"]),
+        ("always divides after the sum: float16 overflows",
+         "    if predivide:  # what DDP does", "    if False:  # what DDP does",
+         [A + "test_predivision_avoids_fp16_overflow_and_postdivision_avoids_underflow"]),
+        ("a parameter listed twice is averaged twice",
+         "    for grad in _gradients(params_or_module):",
+         "    for grad in [p.grad for p in params_or_module if p.grad is not None]:",
+         [A + "test_average_gradients_accepts_params_and_skips_none_and_duplicates"]),
+    ],
+    "ring": [
+        ("sends the wrong way round the ring",
+         "_exchange(flat[s0:s1], right, incoming, left, group)", "_exchange(flat[s0:s1], left, incoming, right, group)",
+         [A + "test_ring_all_reduce_equals_dist_all_reduce"]),
+        ("reduce-scatter one step short",
+         """("reduce-scatter", (rank - s) % n, (rank - s - 1) % n) for s in range(n - 1)""",
+         """("reduce-scatter", (rank - s) % n, (rank - s - 1) % n) for s in range(n - 2)""",
+         [A + "test_ring_schedule_sums_every_chunk_everywhere"]),
+        ("no all-gather: each rank keeps only its own finished chunk",
+         """    all_gather = [("all-gather", (rank + 1 - s) % n, (rank - s) % n) for s in range(n - 1)]""",
+         "    all_gather = []",
+         [A + "test_ring_schedule_sums_every_chunk_everywhere"]),
+        ("the remainder all in the last chunk: chunks of very different sizes",
+         "end = start + base + (1 if i < extra else 0)", "end = start + base + (extra if i == world_size - 1 else 0)",
+         [A + "test_chunk_bounds_tile_the_tensor_with_sizes_differing_by_at_most_one"]),
+    ],
+}
+
+
+def _reference(name: str) -> str:
+    return reference_without_markers((ROOT / BY_NAME[name].source).read_text(encoding="utf-8"))
+
+
+def _write(tmp_path, name, text) -> Path:
+    path = tmp_path / f"{name}.py"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_every_exercise_has_three_mistakes_and_its_spec_items_exist():
+    assert [e.name for e in EXERCISES][:3] == ["sharding", "averaging", "ring"]
+    for e in EXERCISES:
+        assert len(MISTAKES[e.name]) >= 3, e.name
+        for test in [item.test for item in e.spec]:
+            file, _, function = test.partition("::")
+            assert f"def {function}(" in (ROOT / file).read_text(encoding="utf-8"), test
+        source = (ROOT / e.source).read_text(encoding="utf-8")
+        assert source.count(BEGIN) == source.count(END) > 0
+
+
+@pytest.mark.parametrize("name", [e.name for e in EXERCISES])
+def test_the_reference_passes_the_skeleton_fails_and_each_mistake_fails_its_item(tmp_path, name):
+    reference = _reference(name)
+    passed = run_check(name, _write(tmp_path, name, reference))
+    assert [i for i in passed if not i["passed"]] == []
+    skeleton = make_skeleton((ROOT / BY_NAME[name].source).read_text(encoding="utf-8"), BY_NAME[name].names,
+                             BY_NAME[name].page, name)
+    first = BY_NAME[name].spec[0].test
+    [failed] = run_check(name, _write(tmp_path, name, skeleton), only=[first])
+    assert not failed["passed"] and "NotImplementedError" in failed["reason"]
+    for why, old, new, must_fail in MISTAKES[name]:
+        assert reference.count(old) == 1, why  # the mistake still applies to the reference's text
+        items = run_check(name, _write(tmp_path, name, reference.replace(old, new)), only=must_fail,
+                          timeout_s=HANG_TIMEOUT_S, first_failure=True)  # a hanging ring: stopped, and named
+        assert items and not any(i["passed"] for i in items), why
+        assert all(i["reason"] for i in items), why
+
+
+def test_start_writes_the_skeleton_once_and_check_names_a_missing_function(tmp_path, capsys):
+    folder = tmp_path / "mine"
+    assert main(["start", "sharding", "--dir", str(folder)]) == 0
+    written = (folder / "sharding.py").read_text(encoding="utf-8")
+    assert "NotImplementedError" in written and BEGIN not in written
+    assert main(["start", "sharding", "--dir", str(folder)]) == 1  # never overwritten
+    assert (folder / "sharding.py").read_text(encoding="utf-8") == written
+    (folder / "sharding.py").write_text("class Sampler:\n    pass\n", encoding="utf-8")
+    assert main(["check", "sharding", "--dir", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert "sharding.py defines no ShardSampler" in err and "Traceback" not in err
+
+
+def test_a_syntax_error_is_one_line_naming_the_file_and_line(tmp_path):
+    path = _write(tmp_path, "ring", "def ring_all_reduce(tensor, group=None):\n    return tensor +\n")
+    with pytest.raises(LearnerFileError, match=r"ring\.py:2: syntax error"):
+        run_check("ring", path)
+
+
+def test_an_unknown_exercise_lists_the_valid_ones():
+    result = subprocess.run([sys.executable, "-m", "miniddp.cli", "exercise", "check", "shardng"],
+                            capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 2
+    assert all(e.name in result.stderr for e in EXERCISES) and "Traceback" not in result.stderr

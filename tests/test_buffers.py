@@ -68,6 +68,27 @@ def test_buffers_equal_rank_0s_at_every_forward_only_when_broadcast(broadcast):
         assert not torch.allclose(a[1:], b[1:])  # ...then BatchNorm statistics drift apart
 
 
+def _buffers_before_and_after(rank, world_size):
+    torch.manual_seed(0)
+    model = _Recorder()
+    ddp = miniddp.DistributedDataParallel(model, broadcast_buffers=True)
+    after = []  # this rank's running mean at the end of each step (its own forward updated it)
+    for step in range(3):
+        torch.manual_seed(10 * step + rank)
+        F.mse_loss(ddp(torch.randn(8, 8) + rank), torch.zeros(8, 4)).backward()
+        after.append(model.inner.bn.running_mean.clone())
+    return torch.stack(model.log), torch.stack(after)
+
+
+def test_each_forward_starts_from_rank_0s_buffers_not_another_ranks():
+    """Equal on every rank is not enough: the buffers must be rank 0's (torch broadcasts from rank 0)."""
+    results = run_on_ranks(_buffers_before_and_after, 3, timeout=60)
+    rank0_after = results[0][1]
+    for seen, _ in results:
+        assert torch.equal(seen[1:], rank0_after[:-1])  # forward k+1 starts from rank 0's state after step k
+    assert not torch.equal(results[0][1], results[2][1])  # the ranks' own updates differ: the check can fail
+
+
 def _two_forwards_one_backward(rank, world_size):
     torch.manual_seed(0)
     model = MODELS["batchnorm"]()

@@ -22,7 +22,8 @@ from miniddp.exercise.swap import LearnerFileError
 
 ROOT = Path(__file__).resolve().parents[1]
 HANG_TIMEOUT_S = 15  # the wrong-way ring deadlocks on uneven chunks: the check's timeout stops it
-S, A = "tests/test_sharding.py::", "tests/test_averaging.py::"
+S, A, B = "tests/test_sharding.py::", "tests/test_averaging.py::", "tests/test_bucketing.py::"
+N, F = "tests/test_no_sync.py::", "tests/test_buffers.py::"
 
 # exercise -> (what the learner got wrong, the reference text, what they wrote, the items it must fail)
 MISTAKES = {
@@ -78,6 +79,34 @@ MISTAKES = {
          "end = start + base + (1 if i < extra else 0)", "end = start + base + (extra if i == world_size - 1 else 0)",
          [A + "test_chunk_bounds_tile_the_tensor_with_sizes_differing_by_at_most_one"]),
     ],
+    "bucketing": [
+        ("one bucket mixes dtypes", "key = (t.dtype, t.device)", "key = t.device", [B + "test_pytorch_cases"]),
+        ("filled in reverse registration order", "for i, t in enumerate(tensors):",
+         "for i, t in reversed(list(enumerate(tensors))):", [B + "test_pytorch_cases"]),
+        ("the last limit for every bucket, not the limits in sequence", "k = limit_index.setdefault(key, 0)",
+         "k = len(limits) - 1", [B + "test_pytorch_cases"]),
+        ("a bucket closes only above its limit", "if size >= limits[k]:", "if size > limits[k]:",
+         [B + "test_pytorch_cases"]),
+    ],
+    "no_sync": [
+        ("syncs one micro-step early (step % k == 0)", "return (step + 1) % gradient_accumulation_steps == 0",
+         "return step % gradient_accumulation_steps == 0",
+         [N + "test_should_sync_syncs_the_last_micro_batch_of_each_window"]),
+        ("a no_sync that does not stop the sync", "    ddp.require_backward_grad_sync = False\n", "    pass\n",
+         [N + "test_inside_no_sync_gradients_stay_local_then_sync_averages_the_sums"]),
+        ("a short last window counted as a full one", "return [end - start for start, end in zip([-1] + ends, ends)]",
+         "return [gradient_accumulation_steps for _ in ends]",
+         [N + "test_should_sync_syncs_the_last_micro_batch_of_each_window"]),
+    ],
+    "buffers": [
+        ("buffers broadcast from the last rank", "        broadcast_coalesced(buffers, src, group)",
+         "        broadcast_coalesced(buffers, dist.get_world_size(group) - 1, group)",
+         [F + "test_each_forward_starts_from_rank_0s_buffers_not_another_ranks"]),
+        ("the wrap copies parameters but not buffers", "        tensors += [b for b in module.buffers()]",
+         "        pass", [F + "test_wrap_broadcasts_parameters_and_buffers_from_rank_0"]),
+        ("the flat message is never copied back", "t.data.copy_(flat[offset : offset + t.numel()].view_as(t))",
+         "pass", [F + "test_coalesced_broadcast_equals_one_broadcast_per_tensor"]),
+    ],
 }
 
 
@@ -92,7 +121,7 @@ def _write(tmp_path, name, text) -> Path:
 
 
 def test_every_exercise_has_three_mistakes_and_its_spec_items_exist():
-    assert [e.name for e in EXERCISES][:3] == ["sharding", "averaging", "ring"]
+    assert [e.name for e in EXERCISES][:6] == ["sharding", "averaging", "ring", "bucketing", "no_sync", "buffers"]
     for e in EXERCISES:
         assert len(MISTAKES[e.name]) >= 3, e.name
         for test in [item.test for item in e.spec]:

@@ -62,6 +62,7 @@ def compute_bucket_assignment(tensors, bucket_size_limits) -> list[list[int]]:
     limits = [int(b) for b in bucket_size_limits]
     if not limits or any(b <= 0 for b in limits):
         raise ValueError(f"bucket_size_limits={bucket_size_limits!r} must be a non-empty list of byte counts > 0")
+    ### BEGIN SOLUTION
     open_buckets: dict = {}  # (dtype, device) -> [indices, bytes so far]
     limit_index: dict = {}  # (dtype, device) -> which limit applies to its next bucket
     closed: list[list[int]] = []
@@ -78,6 +79,7 @@ def compute_bucket_assignment(tensors, bucket_size_limits) -> list[list[int]]:
             limit_index[key] = min(k + 1, len(limits) - 1)
     closed.extend(indices for indices, _ in open_buckets.values())  # the partly filled ones
     return sorted(closed, key=min)
+    ### END SOLUTION
 # --8<-- [end:assignment]
 
 

@@ -90,6 +90,7 @@ def refuse_meta_tensors(module: torch.nn.Module) -> None:
 # --8<-- [start:coalesced]
 def broadcast_coalesced(tensors, src_rank: int = 0, group=None, bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> None:
     """Broadcast ``tensors`` from group rank ``src_rank``: few flat messages instead of one per tensor."""
+    ### BEGIN SOLUTION
     src = dist.get_global_rank(group or dist.group.WORLD, src_rank)
     pending: dict = {}  # (dtype, device) -> tensors waiting to be packed
     for t in tensors:
@@ -99,6 +100,7 @@ def broadcast_coalesced(tensors, src_rank: int = 0, group=None, bucket_bytes: in
             _broadcast_flat(pending.pop(key), src, group)
     for chunk in pending.values():
         _broadcast_flat(chunk, src, group)
+    ### END SOLUTION
 
 
 def _broadcast_flat(chunk, src, group) -> None:
@@ -114,11 +116,13 @@ def _broadcast_flat(chunk, src, group) -> None:
 @issued_as("state broadcast")
 def sync_module_states(module: torch.nn.Module, group=None, include_buffers: bool = True, src: int = 0) -> None:
     """Make every rank's parameters (and buffers) equal to group rank ``src``'s (rank 0 at wrap)."""
+    ### BEGIN SOLUTION
     tensors = [p for p in module.parameters()]
     if include_buffers:
         tensors += [b for b in module.buffers()]
     if tensors:
         broadcast_coalesced(tensors, src, group)
+    ### END SOLUTION
 
 
 # --8<-- [start:broadcast_buffers]
@@ -126,7 +130,9 @@ def sync_module_states(module: torch.nn.Module, group=None, include_buffers: boo
 def broadcast_buffers(module: torch.nn.Module, group=None, src: int = 0) -> None:
     """Before each forward: every rank's buffers become rank ``src``'s (``broadcast_buffers=True``;
     ``src`` is rank 0, or under ``join()`` the highest rank still training)."""
+    ### BEGIN SOLUTION
     buffers = [b for b in module.buffers()]
     if buffers and dist.get_world_size(group) > 1:
         broadcast_coalesced(buffers, src, group)
+    ### END SOLUTION
 # --8<-- [end:broadcast_buffers]

@@ -36,12 +36,14 @@ def no_sync(ddp):
                       "not run yet: the backward will still all-reduce, because DDP decides at the forward. Put the "
                       "forward inside no_sync(): `with model.no_sync(): model(x).sum().backward()`.",
                       UserWarning, stacklevel=3)
+    ### BEGIN SOLUTION
     previous = ddp.require_backward_grad_sync  # nested no_sync restores correctly
     ddp.require_backward_grad_sync = False
     try:
         yield
     finally:
         ddp.require_backward_grad_sync = previous
+    ### END SOLUTION
 # --8<-- [end:no_sync]
 
 
@@ -124,8 +126,10 @@ def should_sync(step: int, gradient_accumulation_steps: int, num_batches: int | 
         raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps} must be >= 1")
     if step < 0:
         raise ValueError(f"step={step} must be >= 0")
+    ### BEGIN SOLUTION
     last_of_epoch = num_batches is not None and step + 1 == num_batches
     return (step + 1) % gradient_accumulation_steps == 0 or last_of_epoch
+    ### END SOLUTION
 
 
 def accumulation_windows(num_batches: int, gradient_accumulation_steps: int) -> list[int]:
@@ -134,6 +138,8 @@ def accumulation_windows(num_batches: int, gradient_accumulation_steps: int) -> 
     Divide each micro-batch's loss by its window's *real* length, so a short last
     window is still an average and not a sum scaled down by k.
     """
+    ### BEGIN SOLUTION
     ends = [s for s in range(num_batches) if should_sync(s, gradient_accumulation_steps, num_batches)]
     return [end - start for start, end in zip([-1] + ends, ends)]
+    ### END SOLUTION
 # --8<-- [end:schedule]

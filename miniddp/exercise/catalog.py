@@ -32,6 +32,9 @@ class Exercise:
 
 _SHARDING = "tests/test_sharding.py::"
 _AVERAGING = "tests/test_averaging.py::"
+_BUCKETING = "tests/test_bucketing.py::"
+_NO_SYNC = "tests/test_no_sync.py::"
+_BUFFERS = "tests/test_buffers.py::"
 
 EXERCISES: tuple[Exercise, ...] = (
     Exercise("sharding", "miniddp.by_hand.sharding", ("ShardSampler",), ("ShardSampler",), "sharding.md", (
@@ -71,6 +74,39 @@ EXERCISES: tuple[Exercise, ...] = (
                  "on a subgroup it uses the group's ranks; a non-member's tensor is untouched"),
         SpecItem(_AVERAGING + "test_each_rank_sends_2_n_minus_1_over_n_of_the_tensor",
                  "each rank sends 2(n-1)/n of the tensor in 2(n-1) exchanges"),
+    )),
+    Exercise("bucketing", "miniddp.engine.bucketing", ("compute_bucket_assignment",),
+             ("compute_bucket_assignment",), "bucketing.md", (
+        SpecItem(_BUCKETING + "test_pytorch_cases",
+                 "equals torch's own test cases: limits in sequence, one open bucket per dtype, oversized tensors"),
+        SpecItem(_BUCKETING + "test_equals_torch_on_generated_cases",
+                 "equals torch's _compute_bucket_assignment_by_size on generated tensors, dtypes and limits"),
+        SpecItem(_BUCKETING + "test_buckets_reduce_in_reverse_registration_order",
+                 "inside DDP: buckets filled in registration order, reduced last layers first"),
+    )),
+    Exercise("no_sync", "miniddp.engine.no_sync", ("no_sync", "should_sync", "accumulation_windows"),
+             ("no_sync", "should_sync"), "no-sync.md", (
+        SpecItem(_NO_SYNC + "test_inside_no_sync_gradients_stay_local_then_sync_averages_the_sums",
+                 "inside no_sync gradients stay local; the next synced backward averages their sums"),
+        SpecItem(_NO_SYNC + "test_what_counts_is_where_the_forward_ran_as_in_torch",
+                 "what decides is where the forward ran, as in torch"),
+        SpecItem(_NO_SYNC + "test_should_sync_syncs_the_last_micro_batch_of_each_window",
+                 "should_sync: the last micro-batch of each window and of the epoch; windows' real lengths"),
+        SpecItem(_NO_SYNC + "test_the_schedule_matches_one_process_and_the_off_by_one_does_not",
+                 "k micro-batches, no_sync on all but the last, train as one process on the whole window"),
+    )),
+    Exercise("buffers", "miniddp.engine.buffers", ("broadcast_coalesced", "sync_module_states", "broadcast_buffers"),
+             ("sync_module_states", "broadcast_buffers"), "buffers.md", (
+        SpecItem(_BUFFERS + "test_wrap_broadcasts_parameters_and_buffers_from_rank_0",
+                 "wrapping makes every rank's parameters and buffers rank 0's"),
+        SpecItem(_BUFFERS + "test_buffers_equal_rank_0s_at_every_forward_only_when_broadcast",
+                 "with broadcast_buffers, every rank's buffers equal rank 0's at each forward; without, their own"),
+        SpecItem(_BUFFERS + "test_each_forward_starts_from_rank_0s_buffers_not_another_ranks",
+                 "each forward starts from rank 0's buffers, not another rank's"),
+        SpecItem(_BUFFERS + "test_two_forwards_before_one_backward",
+                 "two forwards before one backward still train as torch's DDP does"),
+        SpecItem(_BUFFERS + "test_coalesced_broadcast_equals_one_broadcast_per_tensor",
+                 "a few flat messages give what one broadcast per tensor gives"),
     )),
 )
 

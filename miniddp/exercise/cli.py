@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     try:
         if args.command == "list":
             for number, e in enumerate(EXERCISES, 1):
-                print(f"{number:2}. {e.name:12} {', '.join(e.required):24} {_status(e.name, args.dir)}")
+                print(f"{number:2}. {e.name:10} {', '.join(e.required):38} {_status(e.name, args.dir)}")
             return 0
         chosen = exercise(args.name)
         if args.command == "solution":

@@ -23,7 +23,7 @@ from miniddp.exercise.swap import LearnerFileError
 ROOT = Path(__file__).resolve().parents[1]
 HANG_TIMEOUT_S = 15  # the wrong-way ring deadlocks on uneven chunks: the check's timeout stops it
 S, A, B = "tests/test_sharding.py::", "tests/test_averaging.py::", "tests/test_bucketing.py::"
-N, F = "tests/test_no_sync.py::", "tests/test_buffers.py::"
+N, F, H = "tests/test_no_sync.py::", "tests/test_buffers.py::", "tests/test_comm_hooks.py::"
 
 # exercise -> (what the learner got wrong, the reference text, what they wrote, the items it must fail)
 MISTAKES = {
@@ -107,6 +107,16 @@ MISTAKES = {
         ("the flat message is never copied back", "t.data.copy_(flat[offset : offset + t.numel()].view_as(t))",
          "pass", [F + "test_coalesced_broadcast_equals_one_broadcast_per_tensor"]),
     ],
+    "compression": [
+        ("compresses without dividing: the sum, not the mean", "compressed = buffer.to(dtype).div_(group.size())",
+         "compressed = buffer.to(dtype)", [H + "test_bf16_works_on_gloo_as_torchs_own_hook_would"]),
+        ("sends full precision: no bytes saved", "compressed = buffer.to(dtype).div_(group.size())",
+         "compressed = buffer.clone().div_(group.size())",
+         [H + "test_hooks_give_torchs_parameters_and_count_their_bytes"]),
+        ("the bf16 hook sends float16", "return _compress_hook(torch.bfloat16, process_group, bucket)",
+         "return _compress_hook(torch.float16, process_group, bucket)",
+         [H + "test_bf16_works_on_gloo_as_torchs_own_hook_would"]),
+    ],
 }
 
 
@@ -121,7 +131,8 @@ def _write(tmp_path, name, text) -> Path:
 
 
 def test_every_exercise_has_three_mistakes_and_its_spec_items_exist():
-    assert [e.name for e in EXERCISES][:6] == ["sharding", "averaging", "ring", "bucketing", "no_sync", "buffers"]
+    assert [e.name for e in EXERCISES][:7] == ["sharding", "averaging", "ring", "bucketing", "no_sync", "buffers",
+                                               "compression"]
     for e in EXERCISES:
         assert len(MISTAKES[e.name]) >= 3, e.name
         for test in [item.test for item in e.spec]:

@@ -35,6 +35,7 @@ _AVERAGING = "tests/test_averaging.py::"
 _BUCKETING = "tests/test_bucketing.py::"
 _NO_SYNC = "tests/test_no_sync.py::"
 _BUFFERS = "tests/test_buffers.py::"
+_HOOKS = "tests/test_comm_hooks.py::"
 
 EXERCISES: tuple[Exercise, ...] = (
     Exercise("sharding", "miniddp.by_hand.sharding", ("ShardSampler",), ("ShardSampler",), "sharding.md", (
@@ -107,6 +108,14 @@ EXERCISES: tuple[Exercise, ...] = (
                  "two forwards before one backward still train as torch's DDP does"),
         SpecItem(_BUFFERS + "test_coalesced_broadcast_equals_one_broadcast_per_tensor",
                  "a few flat messages give what one broadcast per tensor gives"),
+    )),
+    Exercise("compression", "miniddp.comm_hooks.default_hooks",
+             ("_compress_hook", "fp16_compress_hook", "bf16_compress_hook"),
+             ("fp16_compress_hook", "bf16_compress_hook"), "comm-hooks.md", (
+        SpecItem(_HOOKS + "test_hooks_give_torchs_parameters_and_count_their_bytes",
+                 "inside DDP the fp16 hook trains to torch's parameters and sends half the bytes"),
+        SpecItem(_HOOKS + "test_bf16_works_on_gloo_as_torchs_own_hook_would",
+                 "the bf16 hook does torch's bf16_compress_hook's arithmetic, on gloo"),
     )),
 )
 

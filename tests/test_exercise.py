@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HANG_TIMEOUT_S = 15  # the wrong-way ring deadlocks on uneven chunks: the check's timeout stops it
 S, A, B = "tests/test_sharding.py::", "tests/test_averaging.py::", "tests/test_bucketing.py::"
 N, F, H = "tests/test_no_sync.py::", "tests/test_buffers.py::", "tests/test_comm_hooks.py::"
+D = "tests/test_ddp.py::"
 
 # exercise -> (what the learner got wrong, the reference text, what they wrote, the items it must fail)
 MISTAKES = {
@@ -117,6 +118,18 @@ MISTAKES = {
          "return _compress_hook(torch.float16, process_group, bucket)",
          [H + "test_bf16_works_on_gloo_as_torchs_own_hook_would"]),
     ],
+    "reducer": [
+        ("buckets launched as they complete, not in bucket order",
+         "self.observers.grad_ready(i, self.names[i])\n        self._launch(state)\n",
+         "self.observers.grad_ready(i, self.names[i])\n        if state.pending[b] == 0:\n"
+         "            self._communicate(state, bucket)\n",
+         [D + "test_matches_torch_ddp"]),
+        ("the default path forgets to divide by N", "bucket.put(k, grad, state.divisor if self.hook is None else 1)",
+         "bucket.put(k, grad, 1)", [D + "test_matches_torch_ddp_at_several_world_sizes"]),
+        ("the averaged buckets never written back into .grad",
+         "                bucket.write_back(result, counts, self.as_view)  # the one place that sets .grad",
+         "                pass", [D + "test_equals_one_process_on_the_global_batch"]),
+    ],
 }
 
 
@@ -131,8 +144,8 @@ def _write(tmp_path, name, text) -> Path:
 
 
 def test_every_exercise_has_three_mistakes_and_its_spec_items_exist():
-    assert [e.name for e in EXERCISES][:7] == ["sharding", "averaging", "ring", "bucketing", "no_sync", "buffers",
-                                               "compression"]
+    assert [e.name for e in EXERCISES][:8] == ["sharding", "averaging", "ring", "bucketing", "no_sync", "buffers",
+                                               "compression", "reducer"]
     for e in EXERCISES:
         assert len(MISTAKES[e.name]) >= 3, e.name
         for test in [item.test for item in e.spec]:

@@ -53,7 +53,8 @@ class GradBucket:
 
 
 def hook_name(hook) -> str:
-    return getattr(hook, "__qualname__", repr(hook))
+    """How errors name a hook; ``None`` is the reducer's default path (a SUM all-reduce, no hook)."""
+    return "(the default all-reduce)" if hook is None else getattr(hook, "__qualname__", repr(hook))
 
 
 def checked_future(hook, future, index: int):

@@ -1,11 +1,9 @@
 """The reducer: gradient hooks -> buckets launched in order -> the mean in ``.grad``.
 
 What
-    ``prepare_for_backward`` (end of a synced forward) arms the reducer; each parameter's hook
-    copies its fresh gradient into its bucket, divided by N (``_mark_ready``); complete buckets
-    go out in bucket order (``_launch``); a callback queued on the autograd engine waits for them
-    and writes the results into ``.grad`` (``_finalize``): **when ``loss.backward()`` returns,
-    every ``.grad`` holds the mean over ranks**. Before the second synced forward the buckets are
+    ``prepare_for_backward`` arms the reducer; each parameter's hook copies its gradient into its
+    bucket, divided by N (``_mark_ready``); complete buckets go out in bucket order (``_launch``);
+    after backward, ``_finalize`` waits and writes the means into ``.grad``. The buckets are
     rebuilt once, in the order gradients arrived (``rebuild``).
 
 Why
@@ -14,12 +12,10 @@ Why
     collectives pair up by order, so ranks sending buckets 3, 2 and 2, 3 would sum the wrong ones.
 
 How torch differs
-    ``torch/csrc/distributed/c10d/reducer.cpp`` has the same parts in C++ (``autograd_hook``,
-    ``mark_variable_ready``, ``finalize_backward``, ``rebuild_buckets``) and the same mean: no hook,
-    divide on the way in and sum; a hook gets the bucket undivided. Which ranks had each gradient
-    travels in one small all-reduce after the last bucket (``unused.UsedCounts``; torch: a bitmap,
-    only with ``find_unused_parameters=True``). Around this core: ``autograd_hooks.py``,
-    ``comm_hooks.call_order`` (when a hook may get the next bucket), ``stalls.py``, ``observers.py``.
+    ``reducer.cpp`` has the same parts (``autograd_hook``, ``mark_variable_ready``,
+    ``finalize_backward``, ``rebuild_buckets``) and the same mean: no hook, divide on the way in
+    and sum. Who had each gradient travels in one small all-reduce (``unused.UsedCounts``; torch: a
+    bitmap, only with ``find_unused_parameters=True``).
 """
 
 from __future__ import annotations
@@ -149,6 +145,7 @@ class Reducer:
         state = self.backward
         if state.ready[i]:  # reentrant checkpointing, or a module used in two backward passes
             raise RuntimeError(gradient_twice_message(self.names[i], walk_missed_it=i in state.local_unused))
+        ### BEGIN SOLUTION
         state.ready[i] = True
         b, k = self.where[i]
         bucket = self.buckets[b]
@@ -158,16 +155,19 @@ class Reducer:
         state.pending[b] -= 1
         self.observers.grad_ready(i, self.names[i])
         self._launch(state)
+        ### END SOLUTION
     # --8<-- [end:mark_ready]
 
     # --8<-- [start:launch]
     def _launch(self, state: Backward, wait: bool = False) -> None:
         """Hand complete buckets over, in bucket order, each when ``call_order`` allows it (``wait``: at the
         end of backward, wait for that instead of returning to try again at the next gradient)."""
+        ### BEGIN SOLUTION
         while state.next_bucket < len(self.buckets) and state.pending[state.next_bucket] == 0:
             if not self._may_issue(state, wait):
                 return
             self._communicate(state, self.buckets[state.next_bucket])
+        ### END SOLUTION
 
     def _communicate(self, state: Backward, bucket) -> None:
         flat = torch.zeros_like(bucket.buffer) if state.shadow else bucket.buffer  # a joined rank sends zeros
@@ -203,9 +203,11 @@ class Reducer:
                 if not done:
                     state.local_unused.append(i)
                     self._mark_unused(i)
+            ### BEGIN SOLUTION
             results, counts = self._finish(state)
             for bucket, result in zip(self.buckets, results):
                 bucket.write_back(result, counts, self.as_view)  # the one place that sets .grad
+            ### END SOLUTION
             state.counts.restore_kept(self.params, counts)
             self.accumulated.clear()
         finally:

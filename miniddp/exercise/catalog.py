@@ -36,6 +36,7 @@ _BUCKETING = "tests/test_bucketing.py::"
 _NO_SYNC = "tests/test_no_sync.py::"
 _BUFFERS = "tests/test_buffers.py::"
 _HOOKS = "tests/test_comm_hooks.py::"
+_DDP = "tests/test_ddp.py::"
 
 EXERCISES: tuple[Exercise, ...] = (
     Exercise("sharding", "miniddp.by_hand.sharding", ("ShardSampler",), ("ShardSampler",), "sharding.md", (
@@ -116,6 +117,18 @@ EXERCISES: tuple[Exercise, ...] = (
                  "inside DDP the fp16 hook trains to torch's parameters and sends half the bytes"),
         SpecItem(_HOOKS + "test_bf16_works_on_gloo_as_torchs_own_hook_would",
                  "the bf16 hook does torch's bf16_compress_hook's arithmetic, on gloo"),
+    )),
+    Exercise("reducer", "miniddp.engine.reducer", ("Reducer",), ("Reducer",), "ddp.md", (
+        SpecItem(_DDP + "test_matches_torch_ddp",
+                 "gradients and parameters equal torch DDP's, step after step, for 16 models and options"),
+        SpecItem(_DDP + "test_matches_torch_ddp_at_several_world_sizes",
+                 "equal to torch DDP on 2 and 4 ranks"),
+        SpecItem(_DDP + "test_equals_one_process_on_the_global_batch",
+                 "N ranks train exactly like one process on the global batch"),
+        SpecItem(_BUCKETING + "test_buckets_launch_in_order_on_every_rank",
+                 "buckets are launched in bucket order on every rank"),
+        SpecItem(_BUCKETING + "test_rebuild_follows_the_order_gradients_arrived",
+                 "after the first step the buckets follow the order gradients arrived"),
     )),
 )
 

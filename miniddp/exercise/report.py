@@ -18,8 +18,12 @@ def _reason(report) -> str:
     """The failure's last line (the exception and its message), never miniddp's traceback."""
     crash = getattr(report.longrepr, "reprcrash", None)
     text = crash.message if crash is not None else str(report.longrepr)
-    lines = [line for line in text.splitlines() if line.strip()]
-    return lines[0][:300] if lines else "failed"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return "failed"
+    if lines[0].endswith(":") and len(lines) > 1:  # a rank's error: its traceback follows; keep its last line
+        return f"{lines[0]} {lines[-1]}"[:300]
+    return lines[0][:300]
 
 
 def pytest_runtest_logreport(report):

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HANG_TIMEOUT_S = 15  # the wrong-way ring deadlocks on uneven chunks: the check's timeout stops it
 S, A, B = "tests/test_sharding.py::", "tests/test_averaging.py::", "tests/test_bucketing.py::"
 N, F, H = "tests/test_no_sync.py::", "tests/test_buffers.py::", "tests/test_comm_hooks.py::"
-D = "tests/test_ddp.py::"
+D, U = "tests/test_ddp.py::", "tests/test_unused.py::"
 
 # exercise -> (what the learner got wrong, the reference text, what they wrote, the items it must fail)
 MISTAKES = {
@@ -130,6 +130,16 @@ MISTAKES = {
          "                bucket.write_back(result, counts, self.as_view)  # the one place that sets .grad",
          "                pass", [D + "test_equals_one_process_on_the_global_batch"]),
     ],
+    "unused": [
+        ("the walk never goes past the outputs' own nodes",
+         "        stack.extend(next_node for next_node, _ in node.next_functions)", "        pass",
+         [U + "test_graph_walk_finds_exactly_the_parameters_off_the_path"]),
+        ("an unused parameter sends zeros as if used: its .grad overwritten with zeros",
+         "        return grad, accumulated", "        return None, True",
+         [U + "test_parameter_unused_on_every_rank_keeps_its_gradient"]),
+        ("a gradient accumulated under no_sync dropped when the synced step skips the parameter",
+         "        return grad, accumulated", "        return None, accumulated", [D + "test_matches_torch_ddp"]),
+    ],
 }
 
 
@@ -144,8 +154,8 @@ def _write(tmp_path, name, text) -> Path:
 
 
 def test_every_exercise_has_three_mistakes_and_its_spec_items_exist():
-    assert [e.name for e in EXERCISES][:8] == ["sharding", "averaging", "ring", "bucketing", "no_sync", "buffers",
-                                               "compression", "reducer"]
+    assert [e.name for e in EXERCISES][:9] == ["sharding", "averaging", "ring", "bucketing", "no_sync", "buffers",
+                                               "compression", "reducer", "unused"]
     for e in EXERCISES:
         assert len(MISTAKES[e.name]) >= 3, e.name
         for test in [item.test for item in e.spec]:

@@ -62,6 +62,7 @@ def find_tensors(obj) -> list[torch.Tensor]:
 # --8<-- [start:walk]
 def unused_parameters(outputs, params: list[torch.Tensor]) -> list[int]:
     """Indices of ``params`` that no path leads to from ``outputs`` in the autograd graph."""
+    ### BEGIN SOLUTION
     stack = [t.grad_fn for t in find_tensors(outputs) if t.grad_fn is not None]
     seen, reached = set(), set()
     while stack:  # depth-first over backward nodes
@@ -76,6 +77,7 @@ def unused_parameters(outputs, params: list[torch.Tensor]) -> list[int]:
     # a parameter used directly as an output (no grad_fn) is reached too
     reached.update(id(t) for t in find_tensors(outputs) if t.grad_fn is None and t.requires_grad)
     return [i for i, p in enumerate(params) if id(p) not in reached]
+    ### END SOLUTION
 # --8<-- [end:walk]
 
 
@@ -102,9 +104,11 @@ def unused_contribution(grad, find_unused: bool, accumulated: bool):
     """What a parameter without a gradient in this backward puts in its bucket: ``(tensor or None for
     zeros, counts as used?)``. With the flag, whatever ``.grad`` holds (torch copies any defined
     ``.grad``; one accumulated under ``no_sync`` counts as used); without it, zeros."""
+    ### BEGIN SOLUTION
     if find_unused:
         return grad, accumulated
     return None, False
+    ### END SOLUTION
 
 
 class UsedCounts:

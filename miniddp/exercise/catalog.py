@@ -37,6 +37,7 @@ _NO_SYNC = "tests/test_no_sync.py::"
 _BUFFERS = "tests/test_buffers.py::"
 _HOOKS = "tests/test_comm_hooks.py::"
 _DDP = "tests/test_ddp.py::"
+_UNUSED = "tests/test_unused.py::"
 
 EXERCISES: tuple[Exercise, ...] = (
     Exercise("sharding", "miniddp.by_hand.sharding", ("ShardSampler",), ("ShardSampler",), "sharding.md", (
@@ -129,6 +130,15 @@ EXERCISES: tuple[Exercise, ...] = (
                  "buckets are launched in bucket order on every rank"),
         SpecItem(_BUCKETING + "test_rebuild_follows_the_order_gradients_arrived",
                  "after the first step the buckets follow the order gradients arrived"),
+    )),
+    Exercise("unused", "miniddp.engine.unused", ("unused_parameters", "unused_contribution"),
+             ("unused_parameters", "unused_contribution"), "unused-parameters.md", (
+        SpecItem(_UNUSED + "test_graph_walk_finds_exactly_the_parameters_off_the_path",
+                 "the graph walk finds exactly the parameters no path from the outputs reaches"),
+        SpecItem(_UNUSED + "test_parameter_unused_on_every_rank_keeps_its_gradient",
+                 "a parameter unused on every rank keeps its .grad untouched"),
+        SpecItem(_DDP + "test_matches_torch_ddp",
+                 "with parameters unused on some ranks (and under no_sync), equal to torch DDP"),
     )),
 )
 

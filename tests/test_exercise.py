@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HANG_TIMEOUT_S = 15  # the wrong-way ring deadlocks on uneven chunks: the check's timeout stops it
 S, A, B = "tests/test_sharding.py::", "tests/test_averaging.py::", "tests/test_bucketing.py::"
 N, F, H = "tests/test_no_sync.py::", "tests/test_buffers.py::", "tests/test_comm_hooks.py::"
-D, U = "tests/test_ddp.py::", "tests/test_unused.py::"
+D, U, J = "tests/test_ddp.py::", "tests/test_unused.py::", "tests/test_join.py::"
 
 # exercise -> (what the learner got wrong, the reference text, what they wrote, the items it must fail)
 MISTAKES = {
@@ -140,6 +140,17 @@ MISTAKES = {
         ("a gradient accumulated under no_sync dropped when the synced step skips the parameter",
          "        return grad, accumulated", "        return None, accumulated", [D + "test_matches_torch_ddp"]),
     ],
+    "join": [
+        ("a joined rank answers one round and leaves: the others hang",
+         "        while True:  # this rank is out of data", "        for _ in range(1):  # this rank is out of data",
+         [J + "test_join_matches_torch_ddp_join_on_uneven_inputs"]),
+        ("an active rank does not say so in the round", "        flags[rank] = 1", "        flags[rank] = 0",
+         [J + "test_join_matches_torch_ddp_join_on_uneven_inputs"]),
+        ("a joined rank ignores throw_on_early_termination", "            if self.throw:\n                raise "
+         "EarlyTerminationError(f\"rank {self.rank}", "            if False:\n                raise "
+         "EarlyTerminationError(f\"rank {self.rank}",
+         [J + "test_throw_on_early_termination_raises_on_every_rank_at_the_same_iteration"]),
+    ],
 }
 
 
@@ -154,8 +165,8 @@ def _write(tmp_path, name, text) -> Path:
 
 
 def test_every_exercise_has_three_mistakes_and_its_spec_items_exist():
-    assert [e.name for e in EXERCISES][:9] == ["sharding", "averaging", "ring", "bucketing", "no_sync", "buffers",
-                                               "compression", "reducer", "unused"]
+    assert [e.name for e in EXERCISES][:10] == ["sharding", "averaging", "ring", "bucketing", "no_sync", "buffers",
+                                               "compression", "reducer", "unused", "join"]
     for e in EXERCISES:
         assert len(MISTAKES[e.name]) >= 3, e.name
         for test in [item.test for item in e.spec]:

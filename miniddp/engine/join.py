@@ -59,6 +59,7 @@ class Round:
 def exchange_round(world_size: int, rank: int, device, group, *, active: bool, will_sync: bool,
                    rebuild: bool) -> Round:
     """One all-reduce of ``[active one-hot..., will_sync, rebuild]``: a joined rank sends zeros."""
+    ### BEGIN SOLUTION
     flags = torch.zeros(world_size + 2, device=device)
     if active:
         flags[rank] = 1
@@ -68,6 +69,7 @@ def exchange_round(world_size: int, rank: int, device, group, *, active: bool, w
     counts = flags.tolist()
     return Round(active=tuple(r for r in range(world_size) if counts[r] > 0),
                  will_sync=counts[world_size] > 0, rebuild=counts[world_size + 1] > 0)
+    ### END SOLUTION
 # --8<-- [end:round]
 
 
@@ -148,6 +150,7 @@ class Join:
         self.joinable.join_context = None
         if exc_type is not None:  # an error inside the loop: propagate it, do not shadow anything
             return False
+        ### BEGIN SOLUTION
         rounds = 0
         while True:  # this rank is out of data: answer rounds until nobody is active
             plan = self._round(active=False, will_sync=False, rebuild=False)
@@ -163,5 +166,6 @@ class Join:
             self.hook.main_hook(plan)
         # everyone takes the model of the highest rank among the last to finish
         self.hook.post_hook(max(self.last_active) if self.last_active else self.world_size - 1)
+        ### END SOLUTION
         return False
     # --8<-- [end:exit]

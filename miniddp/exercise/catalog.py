@@ -38,6 +38,7 @@ _BUFFERS = "tests/test_buffers.py::"
 _HOOKS = "tests/test_comm_hooks.py::"
 _DDP = "tests/test_ddp.py::"
 _UNUSED = "tests/test_unused.py::"
+_JOIN = "tests/test_join.py::"
 
 EXERCISES: tuple[Exercise, ...] = (
     Exercise("sharding", "miniddp.by_hand.sharding", ("ShardSampler",), ("ShardSampler",), "sharding.md", (
@@ -139,6 +140,14 @@ EXERCISES: tuple[Exercise, ...] = (
                  "a parameter unused on every rank keeps its .grad untouched"),
         SpecItem(_DDP + "test_matches_torch_ddp",
                  "with parameters unused on some ranks (and under no_sync), equal to torch DDP"),
+    )),
+    Exercise("join", "miniddp.engine.join", ("Join", "exchange_round"), ("Join", "exchange_round"), "join.md", (
+        SpecItem(_JOIN + "test_join_matches_torch_ddp_join_on_uneven_inputs",
+                 "with uneven inputs, the same parameters and buffers as torch DDP's join()"),
+        SpecItem(_JOIN + "test_negative_the_divisor_flag_changes_the_result",
+                 "divide_by_initial_world_size: by the world size, or by the ranks still active"),
+        SpecItem(_JOIN + "test_throw_on_early_termination_raises_on_every_rank_at_the_same_iteration",
+                 "throw_on_early_termination raises on every rank at the same iteration"),
     )),
 )
 

@@ -59,7 +59,8 @@ def test_fit_on_a_real_two_rank_gloo_group_is_numpys_weighted_least_squares():
     (points, ab, cost), (points1, ab1, cost1) = run_on_ranks(_measure, 2, timeout=60)
     assert points == points1 and ab == ab1  # the slowest rank's times: one answer on every rank
     assert 0 <= cost == cost1 <= 1
-    assert all(seconds > 0 for _, seconds in points) and ab.alpha_s >= 0 and ab.beta_s_per_byte > 0
+    assert all(seconds > 0 for _, seconds in points) and ab.alpha_s >= 0  # beta's sign is the machine's: a
+    # loaded machine can time a large message faster than a small one, and the fit must follow what it measured.
     # the oracle: numpy's least squares on the same measured points, each residual relative to its time.
     # Whatever the machine's noise, the fit is the best line through what was measured, never a bound on speed.
     sizes, seconds = (np.array(v, dtype=float) for v in zip(*points))

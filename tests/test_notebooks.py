@@ -33,6 +33,8 @@ _HEX = re.compile(r"0x[0-9a-fA-F]+")
 _TMP = re.compile(r"(/private)?/(tmp|var/folders)/[^\s'\"]*")
 _SOURCE = re.compile(r"[^\s'\"(]*/(miniddp|tests|tutorials|benchmarks|examples)/")  # a clone anywhere: /work/x, /tmp/ci
 _TRANSPORT = re.compile(r"(RuntimeError|DistBackendError|DistNetworkError): .*")  # gloo words a timeout several ways
+# after miniddp's verdict comes the transport's own error, worded differently from run to run
+_ORIGINAL = re.compile(r"(the original error follows\.)\n.*?(?=\n\s*\n|\Z)", re.S)
 
 
 def normalise(text: str, cwd: str) -> str:
@@ -40,6 +42,7 @@ def normalise(text: str, cwd: str) -> str:
     text = text.replace(cwd, "<cwd>")
     text = _SOURCE.sub(r"<repo>/\1/", text)  # before _TMP: the repository may itself be under /tmp
     text = _TMP.sub("<tmp>", text)
+    text = _ORIGINAL.sub(r"\1\n<the transport's message>", text)
     text = _TRANSPORT.sub(r"\1: <the transport's message>", text)
     text = _HEX.sub("<addr>", text)
     text = _NUMBER.sub("#", text)

@@ -139,6 +139,47 @@ def test_rebuild_follows_the_order_gradients_arrived():
     assert flat_after == ready  # second iteration: buckets fill exactly in arrival order
 
 
+class _TwoBranches(torch.nn.Module):
+    """Two same-shaped branches run in a rank-dependent order: their gradients arrive in that order's
+    reverse, so each rank's first backward sees a different arrival order."""
+
+    def __init__(self, flip: bool):
+        super().__init__()
+        self.a, self.b, self.flip = torch.nn.Linear(6, 6), torch.nn.Linear(6, 6), flip
+
+    def forward(self, x):
+        first, second = (self.b, self.a) if self.flip else (self.a, self.b)
+        y = first(x)
+        return y * 2 + second(x)  # not symmetric: a mixed-up bucket changes the gradients
+
+
+def _rebuilt_across_rank_dependent_orders(rank, world_size):
+    grads, assignments = [], []
+    for wrapper in (torch.nn.parallel.DistributedDataParallel, miniddp.DistributedDataParallel):
+        torch.manual_seed(0)
+        model = _TwoBranches(flip=rank % 2 == 1)
+        ddp = wrapper(model, bucket_cap_mb=0.0001)  # each tensor its own bucket
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for step in range(3):  # the first backward records the order; the rebuilt buckets serve the rest
+            torch.manual_seed(100 * step + rank)
+            opt.zero_grad()
+            ddp(torch.randn(3, 6)).pow(2).sum().backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            opt.step()
+        assignments.append(getattr(ddp, "bucket_assignment", None))
+    return grads, assignments[1]
+
+
+def test_rebuilt_buckets_are_rank_0s_order_when_ranks_see_different_orders():
+    results = run_on_ranks(_rebuilt_across_rank_dependent_orders, 2, timeout=60)
+    assert results[0][1] == results[1][1]  # one agreed assignment: rank 0's arrival order
+    assert results[0][1][0][0].startswith("b.")  # rank 0 runs a first, so b's gradients arrive first
+    for grads, _ in results:
+        theirs, ours = grads[:3], grads[3:]
+        for step, (t, o) in enumerate(zip(theirs, ours)):
+            assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(t, o)), f"step {step} differs from torch DDP"
+
+
 def _launched_before_the_last_gradient(events) -> list[int]:
     """The buckets whose all-reduce was launched while backward still had gradients to compute."""
     last_grad = max(e["t"] for e in events if e["name"] == "grad ready")

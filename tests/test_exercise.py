@@ -3,8 +3,8 @@
 For every exercise: the reference (its source without the solution markers) passes through the
 swap, the untouched skeleton fails, and each classic mistake fails the spec item that explains it.
 A mistake is the reference with one edit, the way a learner gets it wrong. To keep the suite fast,
-each implementation runs only the items it must pass or fail (one pytest process each): the rest
-of the suite runs every spec item on the reference's code itself.
+one pytest session checks all of an exercise's implementations: the reference on its whole spec,
+the skeleton on one item, each mistake on the items it must fail.
 """
 
 from __future__ import annotations
@@ -17,12 +17,11 @@ from pathlib import Path
 import pytest
 
 from miniddp.exercise.catalog import BY_NAME, EXERCISES
-from miniddp.exercise.cli import main, run_check
+from miniddp.exercise.cli import main, run_check, run_checks
 from miniddp.exercise.skeleton import BEGIN, END, make_skeleton, reference_without_markers
 from miniddp.exercise.swap import LearnerFileError
 
 ROOT = Path(__file__).resolve().parents[1]
-FULL = os.environ.get("MINIDDP_FULL_EXERCISE_SPEC") == "1"  # the reference through the swap on every item
 HANG_TIMEOUT_S = 15  # the wrong-way ring deadlocks on uneven chunks: the check's timeout stops it
 S, A, B = "tests/test_sharding.py::", "tests/test_averaging.py::", "tests/test_bucketing.py::"
 N, F, H = "tests/test_no_sync.py::", "tests/test_buffers.py::", "tests/test_comm_hooks.py::"
@@ -90,6 +89,9 @@ MISTAKES = {
          "k = len(limits) - 1", [B + "test_pytorch_cases"]),
         ("a bucket closes only above its limit", "if size >= limits[k]:", "if size > limits[k]:",
          [B + "test_pytorch_cases"]),
+        ("each rank rebuilds the buckets in its own arrival order: buckets differ across ranks",
+         "    dist.broadcast(agreed, src=dist.get_global_rank(group, 0), group=group)  # rank 0's order wins\n",
+         "", [B + "test_rebuilt_buckets_are_rank_0s_order_when_ranks_see_different_orders"]),
     ],
     "no_sync": [
         ("syncs one micro-step early (step % k == 0)", "return (step + 1) % gradient_accumulation_steps == 0",
@@ -119,6 +121,17 @@ MISTAKES = {
         ("the bf16 hook sends float16", "return _compress_hook(torch.bfloat16, process_group, bucket)",
          "return _compress_hook(torch.float16, process_group, bucket)",
          [H + "test_bf16_works_on_gloo_as_torchs_own_hook_would"]),
+    ],
+    "powersgd": [
+        ("no error feedback: what compression dropped is lost", "            mat += err\n", "            pass\n",
+         [H + "test_powersgd_hooks_equal_the_algorithm_on_the_summed_gradients"]),
+        ("no warm start: a fresh random Q every step",
+         "q_flat = state.q_memory_dict.get(b) if state.warm_start else None", "q_flat = None",
+         [H + "test_powersgd_hooks_equal_the_algorithm_on_the_summed_gradients"]),
+        ("P not orthogonalised after its sum", "            orthogonalize(p, state.orthogonalization_epsilon)\n",
+         "", [H + "test_powersgd_hooks_equal_the_algorithm_on_the_summed_gradients"]),
+        ("Q summed, not averaged: every rank writes back N times the mean", "        q_flat.div_(world)\n", "",
+         [H + "test_hooks_give_torchs_parameters_and_count_their_bytes"]),
     ],
     "reducer": [
         ("buckets launched as they complete, not in bucket order",
@@ -167,8 +180,8 @@ def _write(tmp_path, name, text) -> Path:
 
 
 def test_every_exercise_has_three_mistakes_and_its_spec_items_exist():
-    assert [e.name for e in EXERCISES][:10] == ["sharding", "averaging", "ring", "bucketing", "no_sync", "buffers",
-                                               "compression", "reducer", "unused", "join"]
+    assert [e.name for e in EXERCISES] == ["sharding", "averaging", "ring", "bucketing", "no_sync", "buffers",
+                                           "compression", "powersgd", "reducer", "unused", "join"]
     for e in EXERCISES:
         assert len(MISTAKES[e.name]) >= 3, e.name
         for test in [item.test for item in e.spec]:
@@ -180,21 +193,21 @@ def test_every_exercise_has_three_mistakes_and_its_spec_items_exist():
 
 @pytest.mark.parametrize("name", [e.name for e in EXERCISES])
 def test_the_reference_passes_the_skeleton_fails_and_each_mistake_fails_its_item(tmp_path, name):
-    reference = _reference(name)
-    first = BY_NAME[name].spec[0].test
-    # Through the swap, on one item: the suite runs every item on this same code (it is miniddp's,
-    # markers aside), and every mistake below proves the swap puts the learner's names in place.
-    passed = run_check(name, _write(tmp_path, name, reference), only=None if FULL else [first])
-    assert passed and all(i["passed"] for i in passed)
-    if FULL:  # the skeleton through the check; by default its text is checked (below), in-process
-        skeleton = make_skeleton((ROOT / BY_NAME[name].source).read_text(encoding="utf-8"), BY_NAME[name].names,
-                                 BY_NAME[name].page, name)
-        [failed] = run_check(name, _write(tmp_path, name, skeleton), only=[first])
-        assert not failed["passed"] and "NotImplementedError" in failed["reason"]
-    for why, old, new, must_fail in MISTAKES[name][: None if FULL else 3]:
+    chosen, reference = BY_NAME[name], _reference(name)
+    first = [chosen.spec[0].test]
+    # One pytest session checks them all: the reference through its whole spec, the skeleton on the
+    # first item, each mistake on the items it must fail.
+    skeleton = make_skeleton((ROOT / chosen.source).read_text(encoding="utf-8"), chosen.names, chosen.page, name)
+    checks = [(name, _write(tmp_path, "reference", reference), None, 120),
+              (name, _write(tmp_path, "skeleton", skeleton), first, 120)]
+    mistakes = MISTAKES[name]
+    for n, (why, old, new, must_fail) in enumerate(mistakes):
         assert reference.count(old) == 1, why  # the mistake still applies to the reference's text
-        items = run_check(name, _write(tmp_path, name, reference.replace(old, new)), only=must_fail,
-                          timeout_s=HANG_TIMEOUT_S, first_failure=True)  # a hanging ring: stopped, and named
+        checks.append((name, _write(tmp_path, f"mistake{n}", reference.replace(old, new)), must_fail, HANG_TIMEOUT_S))
+    passed, [skeleton_item], *wrong = run_checks(checks)
+    assert passed and all(i["passed"] for i in passed), passed
+    assert not skeleton_item["passed"] and "NotImplementedError" in skeleton_item["reason"], skeleton_item
+    for (why, *_), items in zip(mistakes, wrong):  # a hanging ring: stopped by the timeout, and named
         assert items and not any(i["passed"] for i in items), why
         assert all(i["reason"] for i in items), why
 
@@ -239,3 +252,33 @@ def test_an_unknown_exercise_lists_the_valid_ones():
                             capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 2
     assert all(e.name in result.stderr for e in EXERCISES) and "Traceback" not in result.stderr
+
+
+def test_use_puts_the_learners_names_everywhere_and_the_reference_back(tmp_path):
+    import miniddp
+    import miniddp.by_hand.sharding as reference
+    from miniddp.exercise import swap
+
+    original = reference.ShardSampler
+    path = _write(tmp_path, "sharding", _reference("sharding"))
+    try:
+        swap.use(f"sharding={path}")
+        mine = miniddp.ShardSampler
+        assert mine is not original and mine.__module__.startswith("miniddp.by_hand._learner_sharding")
+        assert reference.ShardSampler is mine and os.environ[swap.ENV] == f"sharding={path}"
+    finally:
+        swap.use("")
+    assert miniddp.ShardSampler is reference.ShardSampler is original and swap.ENV not in os.environ
+
+
+def test_list_checks_every_started_exercise_in_one_session(tmp_path, capsys):
+    folder = tmp_path / "mine"
+    for name in ("sharding", "ring"):
+        assert main(["start", name, "--dir", str(folder)]) == 0
+    (folder / "ring.py").write_text(_reference("ring"), encoding="utf-8")  # ring done, sharding not yet
+    capsys.readouterr()
+    assert main(["list", "--dir", str(folder)]) == 0
+    rows = {line.split()[1]: line for line in capsys.readouterr().out.splitlines()}
+    assert rows["sharding"].endswith(f"{len(BY_NAME['sharding'].spec)} of {len(BY_NAME['sharding'].spec)} "
+                                     "spec items failing")
+    assert rows["ring"].endswith("passing") and rows["join"].endswith("not started")

@@ -136,6 +136,7 @@ def _compress(state: PowerSGDState, bucket, matrices: list[torch.Tensor], vector
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     world, b = group.size(), bucket.index()
     shapes = [_shape_rank(mat, state)[:3] for mat in matrices]  # (n, m, r) of each
+    ### BEGIN SOLUTION
     if state.use_error_feedback:  # e_i: what last step's compression left out, added back now
         if b not in state.error_dict:
             state.error_dict[b] = [torch.zeros_like(mat) for mat in matrices]
@@ -143,6 +144,7 @@ def _compress(state: PowerSGDState, bucket, matrices: list[torch.Tensor], vector
         for mat, err in zip(matrices, errors):
             mat += err
     q_flat = state.q_memory_dict.get(b) if state.warm_start else None
+    ### END SOLUTION
     fresh = q_flat is None
     if fresh:
         q_flat = torch.empty(sum(m * r for _, m, r in shapes), dtype=bucket.buffer().dtype,
@@ -157,17 +159,22 @@ def _compress(state: PowerSGDState, bucket, matrices: list[torch.Tensor], vector
     for v, s in zip(vectors, sums):
         s.copy_(v)
     for mat, q, p in zip(matrices, qs, ps):
+        ### BEGIN SOLUTION
         torch.matmul(mat, orthogonalize(q, state.orthogonalization_epsilon), out=p)  # P_i = M_i Q
+        ### END SOLUTION
 
     def second(fut):  # every rank has sum_i P_i and the summed vectors
         for v, s in zip(vectors, sums):
             torch.div(s, world, out=v)
         for mat, p, q in zip(matrices, ps, qs):
+            ### BEGIN SOLUTION
             orthogonalize(p, state.orthogonalization_epsilon)
             q.copy_(torch.matmul(p.t(), mat).t())  # Q_i = M_i^T P, as (P^T M_i)^T: 15x faster than M^T P here
+            ### END SOLUTION
         return all_reduce(q_flat, group).wait()[0]  # blocks this comm thread: see the module docstring
 
     def third(fut):  # every rank has sum_i Q_i
+        ### BEGIN SOLUTION
         q_flat.div_(world)
         for j, (mat, p, q) in enumerate(zip(matrices, ps, qs)):
             if state.use_error_feedback:
@@ -177,6 +184,7 @@ def _compress(state: PowerSGDState, bucket, matrices: list[torch.Tensor], vector
                 errors[j].sub_(mat)  # ...minus what it got: next step's e_i
         if state.warm_start:
             state.q_memory_dict[b] = q_flat
+        ### END SOLUTION
         state.maybe_increase_iter(bucket)
         return bucket.buffer()
 

@@ -160,6 +160,7 @@ class Bucket:
 def rebuilt_assignment(ready_order: list[int], params, size_limits, group) -> list[list[int]]:
     """Buckets filled in the order gradients arrived in the first backward (rank 0's order, broadcast, so
     that every rank builds the same), never-arrived parameters last."""
+    ### BEGIN SOLUTION
     arrived = list(dict.fromkeys(ready_order))  # first arrival of each parameter
     seen = set(arrived)
     order = arrived + [i for i in range(len(params)) if i not in seen]
@@ -168,6 +169,7 @@ def rebuilt_assignment(ready_order: list[int], params, size_limits, group) -> li
     order = agreed.tolist()
     assignment = compute_bucket_assignment([params[i] for i in order], size_limits)
     return [[order[j] for j in bucket] for bucket in assignment]
+    ### END SOLUTION
 # --8<-- [end:rebuild]
 
 

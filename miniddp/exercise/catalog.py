@@ -79,7 +79,7 @@ EXERCISES: tuple[Exercise, ...] = (
         SpecItem(_AVERAGING + "test_each_rank_sends_2_n_minus_1_over_n_of_the_tensor",
                  "each rank sends 2(n-1)/n of the tensor in 2(n-1) exchanges"),
     )),
-    Exercise("bucketing", "miniddp.engine.bucketing", ("compute_bucket_assignment",),
+    Exercise("bucketing", "miniddp.engine.bucketing", ("compute_bucket_assignment", "rebuilt_assignment"),
              ("compute_bucket_assignment",), "bucketing.md", (
         SpecItem(_BUCKETING + "test_pytorch_cases",
                  "equals torch's own test cases: limits in sequence, one open bucket per dtype, oversized tensors"),
@@ -87,6 +87,8 @@ EXERCISES: tuple[Exercise, ...] = (
                  "equals torch's _compute_bucket_assignment_by_size on generated tensors, dtypes and limits"),
         SpecItem(_BUCKETING + "test_buckets_reduce_in_reverse_registration_order",
                  "inside DDP: buckets filled in registration order, reduced last layers first"),
+        SpecItem(_BUCKETING + "test_rebuilt_buckets_are_rank_0s_order_when_ranks_see_different_orders",
+                 "rebuilt_assignment: one agreed order (rank 0's arrival order), even when ranks see different ones"),
     )),
     Exercise("no_sync", "miniddp.engine.no_sync", ("no_sync", "should_sync", "accumulation_windows"),
              ("no_sync", "should_sync"), "no-sync.md", (
@@ -119,6 +121,16 @@ EXERCISES: tuple[Exercise, ...] = (
                  "inside DDP the fp16 hook trains to torch's parameters and sends half the bytes"),
         SpecItem(_HOOKS + "test_bf16_works_on_gloo_as_torchs_own_hook_would",
                  "the bf16 hook does torch's bf16_compress_hook's arithmetic, on gloo"),
+    )),
+    Exercise("powersgd", "miniddp.comm_hooks.powersgd", ("_compress", "powerSGD_hook"), ("powerSGD_hook",),
+             "comm-hooks.md", (
+        SpecItem(_HOOKS + "test_powersgd_hooks_equal_the_algorithm_on_the_summed_gradients",
+                 "equals PowerSGD on one process: P = MQ summed and orthogonalised, Q = M^T P averaged, "
+                 "warm start, error feedback"),
+        SpecItem(_HOOKS + "test_hooks_give_torchs_parameters_and_count_their_bytes",
+                 "inside DDP it trains to torch's powerSGD_hook's parameters, sending only P and Q for matrices"),
+        SpecItem(_HOOKS + "test_powersgd_with_many_buckets_completes_on_gloo",
+                 "many buckets, each compressed, complete on gloo"),
     )),
     Exercise("reducer", "miniddp.engine.reducer", ("Reducer",), ("Reducer",), "ddp.md", (
         SpecItem(_DDP + "test_matches_torch_ddp",

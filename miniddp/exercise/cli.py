@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from .catalog import EXERCISES, exercise
-from .report import REPORT_ENV
+from .report import BATCH_ENV, REPORT_ENV
 from .skeleton import make_skeleton
 from .swap import ENV, LearnerFileError, load
 
@@ -24,41 +24,62 @@ def learner_file(name: str, folder) -> Path:
     return Path(folder) / f"{name}.py"
 
 
-def run_check(name: str, path, *, timeout_s: float = CHECK_TIMEOUT_S, only=None,
-              first_failure: bool = False) -> list[dict]:
-    """Each spec item of exercise ``name`` (or those whose test is in ``only``) run against the file ``path``:
-    ``{demands, test, passed, reason}``. ``first_failure``: stop there (the rest is reported as not run)."""
-    chosen = exercise(name)
-    spec = [item for item in chosen.spec if only is None or item.test in only]
-    load(str(path), chosen.module, chosen.required)  # one clear line before anything runs
+def run_checks(checks) -> list[list[dict]]:
+    """Several implementations in one pytest session: ``checks`` is ``[(name, path, only, timeout_s)]``
+    (``only``: those spec tests, or None for all); for each, its items ``{demands, test, passed, reason}``."""
+    batch, specs = [], []
+    for name, path, only, timeout_s in checks:
+        chosen = exercise(name)
+        spec = [item for item in chosen.spec if only is None or item.test in only]
+        load(str(path), chosen.module, chosen.required)  # one clear line before anything runs
+        batch.append({"use": f"{name}={os.path.abspath(path)}", "tests": [i.test for i in spec], "timeout": timeout_s})
+        specs.append(spec)
     with tempfile.TemporaryDirectory() as tmp:
-        report = os.path.join(tmp, "report.json")
-        env = {**os.environ, ENV: f"{name}={os.path.abspath(path)}", REPORT_ENV: report}
+        report, listing = os.path.join(tmp, "report.json"), os.path.join(tmp, "batch.json")
+        json.dump(batch, open(listing, "w", encoding="utf-8"))
+        env = {k: v for k, v in os.environ.items() if k != ENV}  # the session itself starts as the reference
+        env.update({BATCH_ENV: listing, REPORT_ENV: report})
+        tests = dict.fromkeys(test for implementation in batch for test in implementation["tests"])
         command = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
-                   "-p", "miniddp.exercise.report", f"--timeout={int(timeout_s)}", "-W", "ignore",
-                   *(["-x"] if first_failure else []), *[item.test for item in spec]]
-        subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
-        results = json.load(open(report)) if os.path.exists(report) else {}
-    items = []
-    for item in spec:
-        outcomes = results.get(item.test, [])
-        failed = [reason for outcome, reason in outcomes if outcome == "failed"]
-        passed = bool(outcomes) and not failed and any(outcome == "passed" for outcome, _ in outcomes)
-        items.append({"demands": item.demands, "test": item.test, "passed": passed,
-                      "reason": failed[0] if failed else ("" if passed else "did not run")})
-    return items
+                   "-p", "miniddp.exercise.report", "-W", "ignore", *tests]
+        ran = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+        if not os.path.exists(report):  # pytest itself did not get going: its last words, not a traceback
+            last = [line for line in (ran.stdout + ran.stderr).splitlines() if line.strip()] or [
+                f"pytest exited {ran.returncode}"]
+            raise LearnerFileError(f"the spec did not run: {last[-1]}")
+        results = json.load(open(report, encoding="utf-8"))
+    return [[_item(item, outcomes.get(item.test, [])) for item in spec] for spec, outcomes in zip(specs, results)]
 
 
-def _status(name: str, folder) -> str:
-    path = learner_file(name, folder)
-    if not path.exists():
-        return "not started"
-    try:
-        items = run_check(name, path)
-    except LearnerFileError as err:
-        return f"does not load: {err}"
-    failing = sum(not i["passed"] for i in items)
-    return "passing" if not failing else f"{failing} of {len(items)} spec items failing"
+def _item(item, outcomes) -> dict:
+    failed = [reason for outcome, reason in outcomes if outcome == "failed"]
+    passed = bool(outcomes) and not failed and any(outcome == "passed" for outcome, _ in outcomes)
+    return {"demands": item.demands, "test": item.test, "passed": passed,
+            "reason": failed[0] if failed else ("" if passed else "did not run")}
+
+
+def run_check(name: str, path, *, timeout_s: float = CHECK_TIMEOUT_S, only=None) -> list[dict]:
+    """Each spec item of exercise ``name`` (or those whose test is in ``only``) run against the file ``path``."""
+    return run_checks([(name, path, only, timeout_s)])[0]
+
+
+def _statuses(folder) -> list[str]:
+    """Each exercise's status in ``folder``; the started ones are checked in one session."""
+    status, started = {}, []
+    for e in EXERCISES:
+        path = learner_file(e.name, folder)
+        if not path.exists():
+            status[e.name] = "not started"
+            continue
+        try:
+            load(str(path), e.module, e.required)
+            started.append((e.name, path, None, CHECK_TIMEOUT_S))
+        except LearnerFileError as err:
+            status[e.name] = f"does not load: {err}"
+    for (name, *_), items in zip(started, run_checks(started) if started else []):
+        failing = sum(not i["passed"] for i in items)
+        status[name] = "passing" if not failing else f"{failing} of {len(items)} spec items failing"
+    return [status[e.name] for e in EXERCISES]
 
 
 def main(argv=None) -> int:
@@ -74,8 +95,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "list":
-            for number, e in enumerate(EXERCISES, 1):
-                print(f"{number:2}. {e.name:10} {', '.join(e.required):38} {_status(e.name, args.dir)}")
+            for number, (e, status) in enumerate(zip(EXERCISES, _statuses(args.dir)), 1):
+                print(f"{number:2}. {e.name:11} {', '.join(e.required):38} {status}")
             return 0
         chosen = exercise(args.name)
         if args.command == "solution":
@@ -103,7 +124,7 @@ def main(argv=None) -> int:
         mark = "PASS" if item["passed"] else "FAIL"
         print(f"{mark}  {item['demands']}")
         if not item["passed"]:
-            print(f"      {item['reason']}  ({item['test']})")
+            print(f"      {item['reason']}\n      held by {item['test']}; taught in docs/{chosen.page}")
     failing = sum(not i["passed"] for i in items)
     print(f"\n{chosen.name}: {len(items) - failing} of {len(items)} spec items pass; docs/{chosen.page}")
     return 0 if not failing else 1

@@ -271,14 +271,50 @@ def test_use_puts_the_learners_names_everywhere_and_the_reference_back(tmp_path)
     assert miniddp.ShardSampler is reference.ShardSampler is original and swap.ENV not in os.environ
 
 
-def test_list_checks_every_started_exercise_in_one_session(tmp_path, capsys):
+FROM_SCRATCH = '''\
+import math
+
+import torch
+
+
+class ShardSampler:
+    """Written from scratch: no helper of the reference's kept."""
+
+    def __init__(self, dataset, num_replicas, rank, shuffle=True, seed=0, drop_last=False):
+        self.n, self.num_replicas, self.rank = len(dataset), num_replicas, rank
+        self.shuffle, self.seed, self.drop_last, self.epoch = shuffle, seed, drop_last, 0
+        uneven = drop_last and self.n % num_replicas
+        self.num_samples = math.ceil(((self.n - num_replicas) if uneven else self.n) / num_replicas)
+        self.total_size = self.num_samples * num_replicas
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __len__(self):
+        return self.num_samples
+
+    def __iter__(self):
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            indices = torch.randperm(self.n, generator=g).tolist()
+        else:
+            indices = list(range(self.n))
+        while indices and len(indices) < self.total_size:
+            indices += indices[: self.total_size - len(indices)]
+        return iter(indices[: self.total_size][self.rank :: self.num_replicas])
+'''
+
+
+def test_list_checks_every_started_exercise_in_one_session_and_a_file_from_scratch_passes(tmp_path, capsys):
     folder = tmp_path / "mine"
     for name in ("sharding", "ring"):
         assert main(["start", name, "--dir", str(folder)]) == 0
-    (folder / "ring.py").write_text(_reference("ring"), encoding="utf-8")  # ring done, sharding not yet
+    # sharding written from scratch (no helper of the reference's kept); ring still the skeleton
+    (folder / "sharding.py").write_text(FROM_SCRATCH, encoding="utf-8")
     capsys.readouterr()
     assert main(["list", "--dir", str(folder)]) == 0
     rows = {line.split()[1]: line for line in capsys.readouterr().out.splitlines()}
-    assert rows["sharding"].endswith(f"{len(BY_NAME['sharding'].spec)} of {len(BY_NAME['sharding'].spec)} "
-                                     "spec items failing")
-    assert rows["ring"].endswith("passing") and rows["join"].endswith("not started")
+    ring = len(BY_NAME["ring"].spec)
+    assert rows["sharding"].endswith("passing") and rows["ring"].endswith(f"{ring} of {ring} spec items failing")
+    assert rows["join"].endswith("not started")

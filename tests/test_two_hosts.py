@@ -1,7 +1,7 @@
 """Two real hosts: a 2-node job across two network namespaces, then a cable pulled out mid-run.
 
 Hosts A (10.77.0.1) and B (10.77.0.2) are network namespaces joined by a veth pair
-(``tests/hosts.py``): each has its own interface and address, and they share the
+(``miniddp/netlab.py``): each has its own interface and address, and they share the
 filesystem, as hosts with a shared filesystem do. On them, with 2 processes per host:
 
 * ``torchrun --rdzv-backend c10d`` and ``miniddp launch`` with a two-machine YAML
@@ -41,10 +41,9 @@ import torch.distributed as dist
 import yaml
 
 import miniddp.process_group.stalled_ranks as stalled_ranks
+from miniddp.netlab import Host, two_hosts, unavailable
 from miniddp.testing import run_on_ranks
 from miniddp.training.checkpoint import MANIFEST, load_checkpoint
-
-from hosts import Host, two_hosts, unavailable
 
 BIN = Path(sys.executable).parent  # torchrun and the miniddp console script, beside this python
 DDP_TIMEOUT = 20  # seconds; the cut-off job's collectives give up after this
@@ -58,7 +57,7 @@ LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "G
 
 
 def _pair():
-    why = unavailable()
+    why = unavailable(shaping=False)
     if why:
         pytest.skip(f"two hosts are two network namespaces: {why}")
     with two_hosts() as pair:

@@ -39,6 +39,7 @@ class StepProfile:
     tail_s: float = 0.0  # after compute and communication, until backward returns (copy-back)
     optimizer_s: float = 0.0
     compute_end_s: float = 0.0  # backward computing past the last gradient (an input's gradient, say)
+    shapes: list[tuple] = dataclasses.field(default_factory=list)  # per parameter, if known: what PowerSGD sends
 
     @property
     def backward_s(self) -> float:  # backward's compute: until the last gradient, or later
@@ -62,7 +63,8 @@ class StepProfile:
         forward = bw - t.get("forward start", bw)  # forward, and the loss: everything before backward
         optimizer = t.get("optimizer end", t.get("optimizer step", end)) - end
         tail = max(0.0, end - bw - max(ready + finished))
-        return cls(forward, ready, [p.numel() for _, p in named], [p.dtype for _, p in named], tail, optimizer)
+        return cls(forward, ready, [p.numel() for _, p in named], [p.dtype for _, p in named], tail, optimizer,
+                   shapes=[tuple(p.shape) for _, p in named])
 
     @classmethod
     def slowest(cls, profiles: list[StepProfile]) -> StepProfile:
@@ -71,5 +73,6 @@ class StepProfile:
         fwd = max(p.forward_s for p in profiles)
         ready = [max(p.forward_s + p.ready_s[i] for p in profiles) - fwd for i in range(len(profiles[0].ready_s))]
         return cls(fwd, ready, profiles[0].numels, profiles[0].dtypes, max(p.tail_s for p in profiles),
-                   max(p.optimizer_s for p in profiles), max(p.forward_s + p.compute_end_s for p in profiles) - fwd)
+                   max(p.optimizer_s for p in profiles), max(p.forward_s + p.compute_end_s for p in profiles) - fwd,
+                   profiles[0].shapes)
 # --8<-- [end:profile]

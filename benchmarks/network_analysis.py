@@ -67,18 +67,6 @@ def _predict(name, profile, ab, overlap, compute, auto_cap) -> float:
     return predict_step_time(with_bucket_copies(profile, compute["copy_s_per_byte"]), ab, cap, overlap, hook).step_s
 
 
-def calibrate_hooks(res: dict, profile, ab, compute: dict) -> dict:
-    """Each hook's compute per gradient byte, measured once, in its steps on one link: the measured step
-    beyond the replay with no hook compute. (The hook's arithmetic timed alone, ``compute_costs``, is
-    a fraction of it: in a step it also waits for the other rank, its threads and the GIL.)"""
-    grad_bytes = sum(profile.nbytes)
-    out = dict(compute)
-    for name in HOOKS:
-        zero = _predict(name, profile, ab, res["overlap_cost"], {**compute, name: 0.0}, None)
-        out[name] = max(0.0, statistics.median(res["times"][name]) - zero) / grad_bytes
-    return out
-
-
 def _crossing(rates, values) -> float | None:
     """Where ``values`` (PowerSGD / torch fp32, by rate) first crosses 1 going up, log-interpolated."""
     for (r0, v0), (r1, v1) in zip(zip(rates, values), zip(rates[1:], values[1:])):
@@ -87,22 +75,53 @@ def _crossing(rates, values) -> float | None:
     return None
 
 
+EFFICIENCY = 1448 / 1514  # TCP payload per Ethernet frame (MTU 1500, timestamps on): what tbf's rate carries
+
+
+def link_model(host: AlphaBeta, rate_gbit: float | None) -> tuple[AlphaBeta, float]:
+    """The α–β of a link of ``rate_gbit`` (None: unshaped) from the hosts' own cost, and its overlap cost:
+    the share of an all-reduce's time the CPU works for it (the rest is waiting on the wire)."""
+    ab = host if rate_gbit is None else host.on_link(rate_gbit, EFFICIENCY)
+    return ab, host.beta_s_per_byte / ab.beta_s_per_byte
+
+
+def calibrate(res: dict, profile, isolated: AlphaBeta, compute: dict) -> tuple[AlphaBeta, dict]:
+    """Measured once, in steps on the unshaped link, where the CPU does all of the communication:
+    the hosts' cost per byte *in a step* (the isolated sweep's, scaled until torch fp32's step is
+    met: the ranks' backwards and the other's gloo threads share the cores and memory), and each
+    hook's compute per gradient byte (its step beyond the replay with none). The hooks' arithmetic
+    timed alone (``compute_costs``) is a fraction of that: in a step it also waits on threads."""
+    measured = statistics.median(res["times"]["torch fp32"])
+    lo, hi = 1.0, 4.0
+    for _ in range(40):  # bisection on the scale of β
+        mid = (lo + hi) / 2
+        ab = dataclasses.replace(isolated, beta_s_per_byte=isolated.beta_s_per_byte * mid)
+        lo, hi = (mid, hi) if _predict("torch fp32", profile, ab, 1.0, compute, None) < measured else (lo, mid)
+    host = dataclasses.replace(isolated, beta_s_per_byte=isolated.beta_s_per_byte * lo)
+    grad_bytes, out = sum(profile.nbytes), dict(compute, beta_scale_in_step=lo)
+    for name in HOOKS:
+        zero = _predict(name, profile, host, 1.0, {**compute, name: 0.0}, None)
+        out[name] = max(0.0, statistics.median(res["times"][name]) - zero) / grad_bytes
+    return host, out
+
+
 def analyse(links: dict) -> dict:
-    """``links``: each link's raw results from the ranks (``network.py``'s worker), by rate."""
+    """``links``: each link's raw results from the ranks (``network.py``'s worker), by rate. Every shaped
+    link is predicted from its rate and what was measured on the unshaped one (``calibrate``)."""
     from timeline import gelu_mlp
 
     named = list(gelu_mlp().named_parameters())
-    host = _fit(links["None"]["points"])  # unshaped: what the hosts themselves cost per byte
-    # DDP's copies (timed alone) and each hook's compute (in its steps), measured once: on the unshaped link
-    compute = calibrate_hooks(links["None"], _profile(links["None"]["events"], named), host, links["None"]["compute"])
-    rows, auto, fits, profiles = [], {}, {}, {}
+    isolated = _fit(links["None"]["points"])  # unshaped: what the hosts themselves cost per byte
+    host, compute = calibrate(links["None"], _profile(links["None"]["events"], named), isolated,
+                              links["None"]["compute"])
+    rows, auto, fits = [], {}, {}
     for key, res in links.items():
         gbit = None if key == "None" else float(key)
-        ab, profile = _fit(res["points"]), _profile(res["events"], named)
-        fits[key], profiles[key] = ab, profile
+        profile, (ab, overlap) = _profile(res["events"], named), link_model(host, gbit)
+        fits[key] = _fit(res["points"])
         base = res["times"]["torch fp32"]
         for name, ts in res["times"].items():
-            predicted = _predict(name, profile, ab, res["overlap_cost"], compute, res["auto_cap_mb"])
+            predicted = _predict(name, profile, ab, overlap, compute, res["auto_cap_mb"])
             measured = statistics.median(ts)
             cap = _model(name, compute, res["auto_cap_mb"])[0] if name != "no communication" else None
             rows.append({"link_gbit": gbit, "config": name, "bucket_cap_mb": cap, "measured_ms": 1e3 * measured,
@@ -118,22 +137,20 @@ def analyse(links: dict) -> dict:
                      "chosen_over_best": chosen["measured_ms"] / sweep[best]}
     shaped = [float(k) for k in links if k != "None"]
     ratio = {r["link_gbit"]: r["ratio_vs_torch_fp32"] for r in rows if r["config"] == f"miniddp {PSGD}"}
-    # the link's efficiency (payload over rate), from the slowest link's fit; then any rate is predictable
-    slow = min(shaped)
-    efficiency = 8 / (slow * 1e9 * fits[str(slow)].beta_s_per_byte)
+    profile = _profile(links["None"]["events"], named)
 
     def predicted_ratio(rate: float) -> float:
-        near = min(shaped, key=lambda r: abs(math.log(r / rate)))  # the overlap cost of the nearest link
-        ab, cost = host.on_link(rate, efficiency), links[str(near)]["overlap_cost"]
-        steps = [_predict(n, profiles[str(near)], ab, cost, compute, None) for n in (f"miniddp {PSGD}", "torch fp32")]
+        ab, overlap = link_model(host, rate)
+        steps = [_predict(n, profile, ab, overlap, compute, None) for n in (f"miniddp {PSGD}", "torch fp32")]
         return steps[0] / steps[1]
 
     grid = [0.25 * 2 ** (i / 8) for i in range(8 * 10)]  # 0.25 .. 256 Gbit/s
-    return {"rows": rows, "auto": auto, "compute": compute, "link_efficiency": efficiency,
-            "profile_ms": {k: {"forward": 1e3 * p.forward_s, "backward": 1e3 * p.backward_s, "tail": 1e3 * p.tail_s,
-                               "optimizer": 1e3 * p.optimizer_s} for k, p in profiles.items()},
+    return {"rows": rows, "auto": auto, "compute": compute, "link_efficiency": EFFICIENCY,
+            "host_in_step": {"alpha_us": host.alpha_us, "beta_ns_per_byte": 1e9 * host.beta_s_per_byte},
             "alpha_beta": {k: {"alpha_us": ab.alpha_us, "beta_ns_per_byte": 1e9 * ab.beta_s_per_byte,
-                               "algbw_Gbit": 8 * ab.algbw_GBps, "overlap_cost": links[k]["overlap_cost"]}
+                               "algbw_Gbit": 8 * ab.algbw_GBps, "on_link_beta_ns_per_byte": 1e9 * link_model(
+                                   isolated, None if k == "None" else float(k))[0].beta_s_per_byte,
+                               "measured_overlap_cost": links[k]["overlap_cost"]}
                            for k, ab in fits.items()},
             "crossover_gbit": {"measured": _crossing(shaped, [ratio[r] for r in shaped]),
                                "predicted": _crossing(grid, [predicted_ratio(r) for r in grid]),
@@ -169,8 +186,7 @@ def plot(report: dict, path: Path) -> None:
         return
     plt.rcParams["svg.fonttype"] = "none"
     rows = report["rows"]
-    unshaped_x = 8 * report["alpha_beta"]["None"]["algbw_Gbit"] / 8  # the veth's own rate, as gloo got it
-    x_of = lambda g: g if g is not None else unshaped_x  # noqa: E731
+    x_of = lambda g: g if g is not None else 30  # noqa: E731  (unshaped: drawn right of the fastest link)
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6))
     shown = ["torch fp32", "miniddp fp32", "miniddp fp16", "miniddp bf16", f"miniddp {PSGD}", f"torch {PSGD}",
              "no communication"]
@@ -181,7 +197,11 @@ def plot(report: dict, path: Path) -> None:
         left.plot(xs, [r["predicted_ms"] for r in rs], "x--", color=line.get_color(), alpha=0.7)
     left.set_xscale("log")
     left.set_yscale("log")
-    left.set_xlabel("link rate (Gbit/s; rightmost: the unshaped veth, as gloo measured it)")
+    links = sorted({x_of(r["link_gbit"]) for r in rows})
+    left.set_xticks(links, [f"{g:g}" if g != 30 else "unshaped" for g in links])
+    left.minorticks_off()
+    left.set_yticks([15, 20, 30, 50, 100, 200], ["15", "20", "30", "50", "100", "200"])
+    left.set_xlabel("link rate (Gbit/s), tbf on both ends of a veth pair")
     left.set_ylabel("step time (ms)")
     left.set_title("2 gloo ranks, 6x1024 GELU MLP: measured (o), predicted (x, dashed)", fontsize=10)
     left.legend(fontsize=7)
@@ -195,6 +215,8 @@ def plot(report: dict, path: Path) -> None:
                    color=line.get_color(), alpha=0.7)
     right.set_xscale("log")
     right.set_yscale("log")
+    right.minorticks_off()
+    right.set_yticks([50, 70, 100, 150, 200], ["50", "70", "100", "150", "200"])
     right.set_xlabel("bucket_cap_mb")
     right.set_title("the bucket-size trade-off per link: measured (o), predicted (x)", fontsize=10)
     right.legend(fontsize=7)
@@ -205,10 +227,34 @@ def plot(report: dict, path: Path) -> None:
     print(f"wrote {path}")
 
 
-if __name__ == "__main__":  # re-analyse a recorded run
-    path = Path(sys.argv[1]) if len(sys.argv) > 1 else HERE / "results" / "network.json"
-    recorded = json.loads(path.read_text())
+def at_rate(report: dict, rate_gbit: float) -> dict:
+    """Every configuration's predicted step (ms) over a link of ``rate_gbit``, from a recorded run's
+    unshaped link (its traced compute, and what ``calibrate`` measured there): no root, no new run."""
+    from timeline import gelu_mlp
+
+    links, named = report["links"], list(gelu_mlp().named_parameters())
+    profile = _profile(links["None"]["events"], named)
+    host, compute = calibrate(links["None"], profile, _fit(links["None"]["points"]), links["None"]["compute"])
+    ab, overlap = link_model(host, rate_gbit)
+    auto = links["None"]["auto_cap_mb"]
+    return {name: 1e3 * _predict(name, profile, ab, overlap, compute, auto) for name in links["None"]["times"]}
+
+
+if __name__ == "__main__":  # re-analyse a recorded run, or predict another link from it
+    import argparse
+
+    parser = argparse.ArgumentParser(description="re-analyse benchmarks/results/network.json")
+    parser.add_argument("json", nargs="?", type=Path, default=HERE / "results" / "network.json")
+    parser.add_argument("--rate", type=float, help="predict every configuration at this link rate (Gbit/s)")
+    args = parser.parse_args()
+    recorded = json.loads(args.json.read_text())
+    if args.rate:
+        measured = {r["config"]: r["measured_ms"] for r in recorded["rows"] if r["link_gbit"] == args.rate}
+        print(f"| configuration | predicted at {args.rate:g} Gbit/s (ms) | measured there (ms) |\n|---|---|---|")
+        for name, ms in at_rate(recorded, args.rate).items():
+            print(f"| {name} | {ms:.0f} | {f'{measured[name]:.0f}' if name in measured else '-'} |")
+        sys.exit(0)
     recorded.update(analyse(recorded["links"]))
-    path.write_text(json.dumps(recorded, indent=1) + "\n")
+    args.json.write_text(json.dumps(recorded, indent=1) + "\n")
     print_table(recorded)
     plot(recorded, HERE.parent / "docs" / "img" / "network.svg")

@@ -287,9 +287,9 @@ TRAIN = ["--max_steps", "6", "--dataset_size", "256", "--eval_size", "64", "--di
 
 @pytest.mark.timeout(300)
 def test_two_nodes_on_loopback_equal_one_node_with_four_processes(tmp_path):
-    from hosts import unavailable  # tests/hosts.py: two real hosts as network namespaces
+    from miniddp.netlab import unavailable  # two real hosts as network namespaces
 
-    if unavailable() is None:  # the same two-machine YAML across two real hosts: test_two_hosts.py
+    if unavailable(shaping=False) is None:  # the same two-machine YAML across two real hosts: test_two_hosts.py
         pytest.skip("covered across two network namespaces by tests/test_two_hosts.py")
     cfg = {"distributed_type": "MULTI_CPU", "num_machines": 2, "num_processes": 4, "machine_rank": 0,
            "main_process_ip": "127.0.0.1", "main_process_port": _free_port(), "use_cpu": True}

@@ -159,6 +159,20 @@ def analyse(links: dict) -> dict:
             "predicted_powersgd_ratio": {f"{r:g}": predicted_ratio(r) for r in (0.5, 1, 2, 3, 5, 10, 25, 100)}}
 
 
+def markdown(report: dict) -> str:
+    """The page's table: per configuration and link, the median step, its ratio to torch fp32 (median of
+    per-round ratios) and the prediction's error."""
+    links = sorted({r["link_gbit"] or math.inf for r in report["rows"]})
+    out = ["| configuration | " + " | ".join("unshaped" if g == math.inf else f"{g:g} Gbit/s" for g in links) + " |",
+           "|---|" + "---|" * len(links)]
+    for name in dict.fromkeys(r["config"] for r in report["rows"]):
+        cells = [next(f"{r['measured_ms']:.0f} ms · **{r['ratio_vs_torch_fp32']:.3f}** · {r['error']:+.0%}"
+                      for r in report["rows"] if r["config"] == name and (r["link_gbit"] or math.inf) == g)
+                 for g in links]
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def print_table(report: dict) -> None:
     links = sorted({r["link_gbit"] or math.inf for r in report["rows"]})
     print("| configuration | " + " | ".join("unshaped" if g == math.inf else f"{g:g} Gbit/s" for g in links) + " |")
@@ -246,8 +260,12 @@ if __name__ == "__main__":  # re-analyse a recorded run, or predict another link
     parser = argparse.ArgumentParser(description="re-analyse benchmarks/results/network.json")
     parser.add_argument("json", nargs="?", type=Path, default=HERE / "results" / "network.json")
     parser.add_argument("--rate", type=float, help="predict every configuration at this link rate (Gbit/s)")
+    parser.add_argument("--markdown", action="store_true", help="print the table of docs/performance.md")
     args = parser.parse_args()
     recorded = json.loads(args.json.read_text())
+    if args.markdown:
+        print(markdown(recorded))
+        sys.exit(0)
     if args.rate:
         measured = {r["config"]: r["measured_ms"] for r in recorded["rows"] if r["link_gbit"] == args.rate}
         print(f"| configuration | predicted at {args.rate:g} Gbit/s (ms) | measured there (ms) |\n|---|---|---|")

@@ -177,11 +177,9 @@ def _compress(state: PowerSGDState, bucket, matrices: list[torch.Tensor], vector
         ### BEGIN SOLUTION
         q_flat.div_(world)
         for j, (mat, p, q) in enumerate(zip(matrices, ps, qs)):
-            if state.use_error_feedback:
-                errors[j].copy_(mat)  # M_i + e_i, what this rank meant to send...
+            if state.use_error_feedback:  # next step's e_i: what this rank meant to send (M_i + e_i) minus
+                torch.addmm(mat, p, q.t(), alpha=-1, out=errors[j])  # what it gets, in one pass over M
             torch.matmul(p, q.t(), out=mat)  # M ~ P Q^T, written into the bucket
-            if state.use_error_feedback:
-                errors[j].sub_(mat)  # ...minus what it got: next step's e_i
         if state.warm_start:
             state.q_memory_dict[b] = q_flat
         ### END SOLUTION

@@ -53,12 +53,14 @@ class AlphaBeta:
     def busbw_GBps(self) -> float:  # nccl-tests' bus bandwidth: algbw x 2(n-1)/n
         return self.algbw_GBps * 2 * (self.world_size - 1) / self.world_size
 
+    # --8<-- [start:on_link]
     def on_link(self, rate_gbit: float, efficiency: float = 1.0) -> AlphaBeta:
         """This fit (the hosts' own cost per byte) over a link of ``rate_gbit``: a ring all-reduce puts
         2(n-1)/n of the bytes on each rank's link, and gloo pipelines its chunks, so the slower of the
         hosts and the wire sets the pace; ``efficiency``: the share of the rate the payload gets."""
         wire = 2 * (self.world_size - 1) / self.world_size * 8 / (rate_gbit * 1e9 * efficiency)
         return dataclasses.replace(self, beta_s_per_byte=max(self.beta_s_per_byte, wire))
+    # --8<-- [end:on_link]
 
 
 def fit_alpha_beta(sizes, seconds, *, world_size: int = 2, backend: str = "gloo") -> AlphaBeta:

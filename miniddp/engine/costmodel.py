@@ -43,6 +43,7 @@ def assignment_in_ready_order(profile: StepProfile, bucket_cap_mb: float | None)
     return [[order[j] for j in bucket] for bucket in compute_bucket_assignment(meta, bucket_size_limits(bucket_cap_mb))]
 
 
+# --8<-- [start:copies]
 def with_bucket_copies(profile: StepProfile, copy_s_per_byte: float) -> StepProfile:
     """``profile`` (a plain model's backward: compute alone) with what DDP adds on the backward's own
     thread: each gradient copied into its bucket as it arrives (a later gradient waits for the copies
@@ -53,6 +54,7 @@ def with_bucket_copies(profile: StepProfile, copy_s_per_byte: float) -> StepProf
         spent += copy_s_per_byte * profile.nbytes[i]
         ready[i] += spent
     return dataclasses.replace(profile, ready_s=ready, tail_s=profile.tail_s + copy_s_per_byte * sum(profile.nbytes))
+# --8<-- [end:copies]
 
 
 # --8<-- [start:compression]

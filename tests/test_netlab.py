@@ -71,3 +71,23 @@ def test_a_failing_rank_is_named_and_a_failure_inside_the_block_still_tears_down
 def test_bad_rates_are_named():
     with netlab.net_lab(2) as lab, pytest.raises(ValueError, match="rate_gbit"):
         lab.set_rate(0)
+
+
+CPU_SHARE = """
+import torch, torch.distributed as dist
+from miniddp.engine.alpha_beta import measure_cpu_share
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+print(measure_cpu_share(2**22, reps=3))
+dist.destroy_process_group()
+"""
+
+
+def test_over_a_slow_link_an_all_reduce_leaves_the_cpu_to_the_backward():
+    # what bucket_cap_mb="auto" uses as the overlap cost on a CPU: gloo's threads work the whole time
+    # over an unshaped veth, and mostly wait for the wire over 1 Gbit/s
+    with netlab.net_lab(2) as lab:
+        fast = float(lab.run_ranks([sys.executable, "-c", CPU_SHARE], timeout=120)[0])
+        lab.set_rate(1)
+        slow = float(lab.run_ranks([sys.executable, "-c", CPU_SHARE], timeout=120)[0])
+    assert 0 < slow < fast <= 1 and slow < 0.5 * fast, (slow, fast)

@@ -111,6 +111,24 @@ def measure_all_reduce(sizes, *, reps: int = 15, group=None, device=None) -> lis
     return result
 
 
+# --8<-- [start:cpu_share]
+def measure_cpu_share(nbytes: int = 2**22, *, reps: int = 3, group=None) -> float:
+    """The share of an all-reduce's time this process's CPU works for it (``time.process_time``, every
+    thread, over the wall clock), the slowest rank's median: on a CPU, the part of the communication
+    that takes a core from the backward. Over loopback gloo's threads copy and reduce the whole time;
+    over a slow link they mostly wait for the wire, and a backward beside them runs at full speed."""
+    x = torch.zeros(nbytes // 4)
+    dist.all_reduce(x, group=group)  # warm-up: connections and buffers
+
+    def share() -> float:
+        cpu, wall = time.process_time(), time.perf_counter()
+        dist.all_reduce(x, group=group)
+        return (time.process_time() - cpu) / (time.perf_counter() - wall)
+
+    return min(1.0, _timed(share, reps, group))
+# --8<-- [end:cpu_share]
+
+
 # --8<-- [start:overlap]
 def measure_overlap_cost(nbytes: int = 2**23, *, reps: int = 5, group=None) -> float:
     """``simulate``'s ``overlap_cost`` on this machine (CPU): matrix products timed alone and beside

@@ -11,9 +11,9 @@ What
 Why
     The best cap depends on the model (how gradients arrive), the network (α, β) and whether
     communication really overlaps the backward (``docs/costmodel.md`` measures all three). On a
-    CPU gloo's threads and the backward share the cores, so CPU tensors assume no overlap
-    (``overlap_cost=1``: the model then favours fewest buckets); CUDA tensors assume free overlap
-    (NCCL runs on its own stream).
+    CPU gloo's threads and the backward share the cores: the overlap cost is the share of an
+    all-reduce's time the CPU works for it, measured (near 1 over loopback, under 0.1 over a
+    1 Gbit/s link); CUDA tensors assume free overlap (NCCL runs on its own stream).
 
 How torch differs
     torch has no such option: ``bucket_cap_mb`` is a number you pick (Hugging Face:
@@ -30,19 +30,21 @@ import torch
 import torch.distributed as dist
 
 from ..process_group.fingerprint import issued_as
-from .alpha_beta import AlphaBeta, fit_alpha_beta, measure_all_reduce
+from .alpha_beta import AlphaBeta, fit_alpha_beta, measure_all_reduce, measure_cpu_share
 from .costmodel import best_bucket_cap_mb
 from .observers import ReducerObserver
 from .step_profile import StepProfile
 
-CANDIDATE_CAPS = (0.25, 0.5, 1, 2, 4, 8, 16, 25, 50, 100)  # MiB; the first wins a tie
+CANDIDATE_CAPS = (0.25, 0.5, 1, 2, 4, 8, 16, 25, 50, 100)  # MiB
+TIE = 0.01  # predicted steps this close are a tie, won by the larger cap
 SWEEP_BYTES = (2**12, 2**16, 2**20, 2**22, 2**24)  # the all-reduce sizes the fit sees: 4 KiB .. 16 MiB
 SWEEP_REPS = 3  # repetitions per size (median of the slowest rank)
 
 
-def default_overlap_cost(device: torch.device) -> float:
-    """1: the backward and gloo share CPU cores (no overlap); 0: NCCL beside a GPU backward."""
-    return 0.0 if device.type == "cuda" else 1.0
+def default_overlap_cost(device: torch.device, group=None) -> float:
+    """0: NCCL beside a GPU backward (free overlap). On a CPU, measured: the share of an all-reduce's time
+    the process's CPU works for it (``measure_cpu_share``), which is what it takes from the backward."""
+    return 0.0 if device.type == "cuda" else measure_cpu_share(2**22, reps=SWEEP_REPS, group=group)
 
 
 # --8<-- [start:choose]
@@ -66,8 +68,10 @@ class AutoChoice:
 
 def choose_bucket_cap_mb(profile: StepProfile, ab: AlphaBeta, *, overlap_cost: float,
                          caps=CANDIDATE_CAPS) -> AutoChoice:
-    """The cap ``best_bucket_cap_mb`` predicts fastest for this profile and fit (pure: no communication)."""
+    """The cap ``best_bucket_cap_mb`` predicts fastest for this profile and fit (pure: no communication); on a
+    near-tie (``TIE``) the largest: fewer collectives, each with costs the model does not see (a launch)."""
     best, predictions = best_bucket_cap_mb(profile, ab, caps=caps, overlap_cost=overlap_cost)
+    best = max(c for c in caps if predictions[c].step_s <= predictions[best].step_s * (1 + TIE))
     return AutoChoice(best, overlap_cost, ab, {c: p.step_s * 1e3 for c, p in predictions.items()},
                       {c: len(p.launch_s) for c, p in predictions.items()})
 
@@ -133,7 +137,7 @@ class AutoBucketCap(ReducerObserver):
         ab = fit_alpha_beta(*zip(*points), world_size=dist.get_world_size(group), backend=dist.get_backend(group))
         everyone = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, self.ready_s or None, group=group)
-        overlap = default_overlap_cost(device) if self.overlap_cost is None else self.overlap_cost
+        overlap = default_overlap_cost(device, group) if self.overlap_cost is None else self.overlap_cost
         choice = choose_bucket_cap_mb(profile_from_ready(everyone, params), ab, overlap_cost=overlap, caps=self.caps)
         agreed = torch.tensor([choice.cap_mb], dtype=torch.float64, device=device)
         dist.broadcast(agreed, src=dist.get_global_rank(group, 0), group=group)  # rank 0's pick, everywhere

@@ -228,3 +228,24 @@ def test_each_rank_draws_its_own_dropout_masks_reproducibly(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(first, again))  # a function of seed and rank
     other_seed = run_on_ranks(_dropout_masks, 2, args=(str(tmp_path / "c"), 43), init=False)
     assert torch.equal(other_seed[0], first[1])  # rank 0 of seed 43 is rank 1 of seed 42, as in Accelerate
+
+
+def mean_loss(outputs, labels):
+    """A two-parameter compute_loss_func (no num_items_in_batch): a mean over this micro-batch's labels."""
+    return F.cross_entropy(outputs["logits"].flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def _fit_with(rank, world_size, out, loss_func):
+    torch.manual_seed(0)
+    model = Tagger().double()
+    Trainer(model=model, args=_config(out, 4, 4), train_dataset=Tagged(), compute_loss_func=loss_func).train()
+    return {k: v.clone() for k, v in model.state_dict().items()} if rank == 0 else None
+
+
+def test_a_two_parameter_loss_is_a_per_batch_mean_like_the_models_own(tmp_path):
+    # Transformers calls fn(outputs, labels, num_items_in_batch=...) and so raises a TypeError here; we
+    # call it without, and divide it by the accumulation steps as we do the model's own mean loss
+    two, own, weighted = (run_on_ranks(_fit_with, 2, args=(str(tmp_path / name), fn), init=False, timeout=120)[0]
+                          for name, fn in (("two", mean_loss), ("own", None), ("weighted", token_loss)))
+    assert _max_diff(two, own) < 1e-10
+    assert _max_diff(two, weighted) > 1e-4  # not the token-weighted mean that num_items_in_batch gives

@@ -8,7 +8,9 @@ What
       batch). With a ``compute_loss_func``, ``labels`` are taken out first and the
       loss is ``compute_loss_func(outputs, labels, num_items_in_batch=N)``;
     * a **tuple or list** batch ``(inputs..., labels)`` calls ``model(*inputs)``
-      and ``compute_loss_func(outputs, labels, num_items_in_batch=N)``.
+      and ``compute_loss_func(outputs, labels, num_items_in_batch=N)``. A two-parameter
+      ``compute_loss_func(outputs, labels)`` is called without ``N``; its loss is taken as a
+      per-batch mean, like a model's own (Transformers raises a ``TypeError`` instead).
 
     ``N`` (:func:`count_items`) is the number of labels not equal to -100 in the
     whole accumulation window on all ranks: a loss that sums over its items and
@@ -32,6 +34,7 @@ How Hugging Face differs
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -67,6 +70,31 @@ def count_items(batch) -> torch.Tensor:
     return torch.tensor(len(first), device=first.device)
 
 
+def takes_num_items(compute_loss_func) -> bool:
+    """Whether ``compute_loss_func`` takes ``num_items_in_batch`` (Hugging Face's form). A two-parameter
+    ``fn(outputs, labels)`` does not: its loss is a per-batch mean, like a model's own."""
+    try:
+        signature = inspect.signature(compute_loss_func)
+    except (TypeError, ValueError):  # no signature to read (a builtin): Hugging Face's form
+        return True
+    try:
+        signature.bind(None, None, num_items_in_batch=None)
+        return True
+    except TypeError:
+        pass
+    try:
+        signature.bind(None, None)
+        return False
+    except TypeError:
+        return True  # neither form binds: the call will raise the TypeError that says so
+
+
+def _call_loss(compute_loss_func, outputs, labels, num_items_in_batch):
+    if takes_num_items(compute_loss_func):
+        return compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+    return compute_loss_func(outputs, labels)
+
+
 # --8<-- [start:compute_loss]
 def compute_loss(model, batch, compute_loss_func=None, num_items_in_batch=None):
     """``(loss, outputs)`` of one batch: the model's own loss, or ``compute_loss_func``'s."""
@@ -78,7 +106,7 @@ def compute_loss(model, batch, compute_loss_func=None, num_items_in_batch=None):
             raise ValueError(f"compute_loss_func needs labels, but the dict batch has no 'labels' key "
                              f"(keys: {', '.join(batch)})")
         outputs = model(**{k: v for k, v in batch.items() if k != "labels"})
-        loss = compute_loss_func(outputs, batch["labels"], num_items_in_batch=num_items_in_batch)
+        loss = _call_loss(compute_loss_func, outputs, batch["labels"], num_items_in_batch)
         return scalar_loss(loss, "compute_loss_func"), outputs
     if not isinstance(batch, (list, tuple)):
         raise TypeError(f"a batch must be a dict (model(**batch)) or a tuple (inputs..., labels), got "
@@ -90,7 +118,7 @@ def compute_loss(model, batch, compute_loss_func=None, num_items_in_batch=None):
     if len(batch) < 2:
         raise ValueError(f"a {type(batch).__name__} batch is (inputs..., labels), but it has one element")
     outputs = model(*batch[:-1])
-    loss = compute_loss_func(outputs, batch[-1], num_items_in_batch=num_items_in_batch)
+    loss = _call_loss(compute_loss_func, outputs, batch[-1], num_items_in_batch)
     return scalar_loss(loss, "compute_loss_func"), outputs
 # --8<-- [end:compute_loss]
 

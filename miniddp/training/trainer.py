@@ -38,7 +38,7 @@ import torch.distributed as dist
 from ..engine.ddp import move_to
 from ..process_group.env import init_distributed
 from ..process_group.stalled_ranks import naming_stalled_ranks
-from .batches import compute_loss, count_items
+from .batches import compute_loss, count_items, takes_num_items
 from .config import TrainingConfig
 from .epoch import plan_epoch
 from .nonfinite import grad_norm, stop_if_not_finite
@@ -123,8 +123,8 @@ class Trainer(TrainerReporting, TrainerCheckpointing):
 
     def _num_items(self, micro_batches):
         """compute_loss_func's num_items_in_batch: the window's labels on all ranks (one all-reduce)."""
-        if self.compute_loss_func is None:
-            return None
+        if self.compute_loss_func is None or not takes_num_items(self.compute_loss_func):
+            return None  # a per-batch mean (the model's loss, or fn(outputs, labels)): divided by the window
         count = sum(count_items(b) for b in micro_batches).to(self.device)  # counted where the labels are
         with naming_stalled_ranks(f"item count of step {self.state['global_step'] + 1}"):
             dist.all_reduce(count)

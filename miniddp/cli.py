@@ -1,4 +1,4 @@
-"""The ``miniddp`` console script: ``miniddp launch ...`` (training) and ``miniddp exercise ...`` (learning)."""
+"""The ``miniddp`` console script: ``launch``, ``config``, ``env`` (training) and ``exercise`` (learning)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,14 @@ def main(argv=None) -> int:
         from .exercise.cli import main as exercise
 
         return exercise(argv[1:])
+    if argv[:1] == ["config"]:
+        from .training.config_command import main as config
+
+        return config(argv[1:])
+    if argv[:1] == ["env"]:
+        from .training.env_command import main as env
+
+        return env(argv[1:])
     from .training.launch import main as launch
 
     return launch(argv)

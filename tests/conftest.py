@@ -1,6 +1,9 @@
 """Shared test set-up: every multi-rank test goes through ``miniddp.testing``."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -9,6 +12,10 @@ import torch
 # the ranks it starts do the work, and 2 cores are shared by everything.
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Accelerate's default config file (`miniddp launch` reads it when given no --config_file) lives under
+# HF_HOME: one of the user's own must not change what the suite runs
+os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="miniddp-tests-hf-home-")
+atexit.register(shutil.rmtree, os.environ["HF_HOME"], True)
 
 
 @pytest.fixture

@@ -168,7 +168,8 @@ API_OF = {
                    "miniddp.training.output_dir", "miniddp.training.nonfinite", "miniddp.training.cli",
                    "miniddp.training.tasks", "miniddp.training.batches"],
     "your-script.md": ["miniddp.training.trainer", "miniddp.training.batches"],
-    "launching.md": ["miniddp.training.launch", "miniddp.training.torchrun_args", "miniddp.notebook"],
+    "launching.md": ["miniddp.training.launch", "miniddp.training.torchrun_args", "miniddp.notebook",
+                     "miniddp.training.config_command", "miniddp.training.env_command"],
     "testing.md": ["miniddp.testing"],
 }
 

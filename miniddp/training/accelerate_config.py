@@ -22,6 +22,7 @@ How Accelerate differs
 from __future__ import annotations
 
 import json
+import os
 
 import yaml
 
@@ -39,6 +40,20 @@ WHOLE_NUMBERS = {  # key: (lowest, highest, what to write instead)
     "main_process_port": (1, 65535, "a free TCP port on machine 0, e.g. `main_process_port: 29500`"),
 }
 MIXED_PRECISION = ("no", "fp16", "bf16")
+
+
+def default_config_file() -> str:
+    """Where ``accelerate config`` writes and ``accelerate launch`` looks: ``$HF_HOME/accelerate/default_config.yaml``
+    (``HF_HOME``: ``$XDG_CACHE_HOME/huggingface``, else ``~/.cache/huggingface``), as ``config_args.py`` says."""
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return os.path.join(os.path.expanduser(home), "accelerate", "default_config.yaml")
+
+
+def write_config(cfg: dict, path: str) -> None:
+    """``cfg`` as Accelerate's YAML (its keys sorted, as ``to_yaml_file`` writes them)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        yaml.safe_dump(cfg, f, sort_keys=True)
 
 
 class LaunchError(ValueError):

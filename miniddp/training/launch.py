@@ -5,7 +5,8 @@ What
     script.py [args...]`` (or ``-m module [args...]``) runs the script on N processes through
     ``torch.distributed.run``: torchrun itself, in-process, no home-made launcher. This module
     splits the command line (everything after the script or module name is the script's,
-    untouched), reads the config (``accelerate_config.py``), picks the process count (one per
+    untouched), reads the config (``accelerate_config.py``; with no ``--config_file``, Accelerate's
+    default file if it exists, as ``accelerate launch`` does), picks the process count (one per
     visible GPU, else 2 on the CPU), and runs torchrun with the arguments ``torchrun_args.py``
     builds. The training CLI is ``miniddp launch ... -m miniddp.train --output_dir out``.
 
@@ -28,7 +29,7 @@ import shlex
 import signal
 import sys
 
-from .accelerate_config import LaunchError, ignored_settings, read_config
+from .accelerate_config import LaunchError, default_config_file, ignored_settings, read_config
 from .torchrun_args import before_launch, default_num_processes, script_env, torchrun_args, train_flags
 
 USAGE = "miniddp launch [options] script.py|-m module [args...]"
@@ -101,6 +102,10 @@ def launch_command(argv: list[str]) -> tuple[list[str], dict, bool]:
     elif not os.path.isfile(target[0]):
         hint = "" if target[0].endswith(".py") else f"; to run a module: `miniddp launch -m {target[0]}`"
         raise LaunchError(f"no such script: {target[0]} (paths are relative to {os.getcwd()}){hint}")
+    notices = []
+    if not args.config_file and os.path.isfile(default_config_file()):  # as `accelerate launch` does
+        args.config_file = default_config_file()
+        notices.append(f"using {args.config_file} (the default config file; --config_file F for another)")
     cfg = read_config(args.config_file) if args.config_file else {}
     if args.num_processes:
         cfg["num_processes"] = args.num_processes
@@ -109,7 +114,7 @@ def launch_command(argv: list[str]) -> tuple[list[str], dict, bool]:
         per_node, why = default_num_processes(cfg.get("use_cpu", False))
         cfg["num_processes"] = per_node * cfg.get("num_machines", 1)
     command = torchrun_args(cfg, machine_rank=args.machine_rank) + target
-    notices = [f"{why}; --num_processes N to choose"] if why else []
+    notices += [f"{why}; --num_processes N to choose"] if why else []
     notices += [f"{args.config_file}: ignoring {', '.join(ignored_settings(cfg))}"] if ignored_settings(cfg) else []
     if not args.dry_run:
         notices += before_launch(cfg, args.machine_rank)

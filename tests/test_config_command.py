@@ -1,0 +1,120 @@
+"""`miniddp config`, `miniddp env`, and `miniddp launch` reading Accelerate's default config file.
+
+The questionnaire runs in a real pseudo-terminal: answers are typed, wrong ones among them, and
+each wrong one must be explained and asked again. The file it writes is read back by miniddp's
+launcher and by Accelerate's own loader (skipped, with the reason, without Accelerate).
+"""
+
+from __future__ import annotations
+
+import os
+import pty
+import select
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from miniddp.training.accelerate_config import default_config_file, read_config
+
+MINIDDP = [sys.executable, "-m", "miniddp.cli"]
+
+
+def _typed(argv, answers, env, timeout=60.0) -> str:
+    """Run ``argv`` in a pseudo-terminal; at each prompt (output ending in ': ' or '? '), type the next answer.
+    Returns everything the terminal showed."""
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the command, its stdin and stdout the terminal
+        os.execvpe(argv[0], argv, env)
+    shown, pending = b"", list(answers)
+    try:
+        while True:
+            ready, _, _ = select.select([fd], [], [], timeout)
+            if not ready:
+                raise TimeoutError(f"no prompt within {timeout} s; the terminal shows:\n{shown.decode()}")
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:  # the child closed the terminal: it has exited
+                break
+            if not chunk:
+                break
+            shown += chunk
+            if shown.rstrip(b" ").endswith((b":", b"?")) and shown.endswith(b" "):
+                if not pending:
+                    raise AssertionError(f"asked more than was answered:\n{shown.decode()}")
+                os.write(fd, pending.pop(0).encode() + b"\n")
+    finally:
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, shown.decode()
+    assert not pending, f"not asked for {pending}:\n{shown.decode()}"
+    return shown.decode()
+
+
+def test_the_questionnaire_asks_again_after_a_wrong_answer_and_writes_what_launch_reads(tmp_path):
+    path = tmp_path / "two-machines.yaml"
+    answers = ["", "x", "1",  # this machine; "x" is no option: asked again; multi-CPU
+               "two", "2",  # the number of machines, the second time in digits
+               "5", "1",  # this machine's rank: 5 is out of range for 2 machines
+               "", "10.0.0.1",  # the main process's IP has no default
+               "",  # its port: the default
+               "",  # processes: the default (one per machine)
+               "3", "2"]  # mixed precision: 3 is no option; bf16
+    shown = _typed([*MINIDDP, "config", "--config_file", str(path)], answers, {**os.environ, "HF_HOME": str(tmp_path)})
+    assert shown.count("try again") == 5
+    assert "[29500]" in shown and "[1]" in shown
+    cfg = read_config(path)
+    assert {k: cfg[k] for k in ("distributed_type", "num_machines", "machine_rank", "main_process_ip",
+                                "main_process_port", "num_processes", "use_cpu", "mixed_precision")} == {
+        "distributed_type": "MULTI_CPU", "num_machines": 2, "machine_rank": 1, "main_process_ip": "10.0.0.1",
+        "main_process_port": 29500, "num_processes": 2, "use_cpu": True, "mixed_precision": "bf16"}
+    accelerate = pytest.importorskip("accelerate.commands.config.config_args", reason="accelerate is not installed")
+    theirs = accelerate.load_config_from_file(str(path))
+    assert (theirs.distributed_type.value, theirs.num_machines, theirs.machine_rank, theirs.mixed_precision) == (
+        "MULTI_CPU", 2, 1, "bf16")
+
+
+def test_default_writes_where_accelerate_looks_never_overwrites_and_launch_reads_it(tmp_path):
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf")}
+    expected = tmp_path / "hf" / "accelerate" / "default_config.yaml"
+    done = subprocess.run([*MINIDDP, "config", "--default", "--mixed_precision", "fp16"], env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0 and str(expected) in done.stdout
+    written = yaml.safe_load(expected.read_text())
+    assert written["mixed_precision"] == "fp16" and written["num_processes"] == 1
+    again = subprocess.run([*MINIDDP, "config", "--default"], env=env, capture_output=True, text=True)
+    assert again.returncode == 1 and yaml.safe_load(expected.read_text()) == written  # not overwritten
+    # launch with no --config_file: the default file, named
+    written["num_processes"], written["distributed_type"] = 3, "MULTI_CPU"
+    expected.write_text(yaml.safe_dump(written))
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    dry = subprocess.run([*MINIDDP, "launch", "--dry_run", str(script)], env=env, capture_output=True, text=True)
+    assert dry.returncode == 0 and str(expected) in dry.stderr
+    assert "--nproc-per-node=3" in dry.stdout.split(), dry.stdout
+    # without the file, no notice
+    expected.unlink()
+    plain = subprocess.run([*MINIDDP, "launch", "--dry_run", str(script)], env=env, capture_output=True, text=True)
+    assert plain.returncode == 0 and "default_config.yaml" not in plain.stderr
+
+
+def test_default_config_file_honours_accelerates_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("HF_HOME", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_config_file() == str(tmp_path / "xdg" / "huggingface" / "accelerate" / "default_config.yaml")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    assert default_config_file() == str(tmp_path / "hf" / "accelerate" / "default_config.yaml")
+    accelerate = pytest.importorskip("accelerate.utils", reason="accelerate is not installed")
+    real = tmp_path / "accelerate-default.yaml"  # what the real `accelerate config default` writes
+    accelerate.write_basic_config(mixed_precision="no", save_location=str(real))
+    cfg = read_config(real)
+    assert cfg["compute_environment"] == "LOCAL_MACHINE" and cfg["mixed_precision"] == "no"
+
+
+def test_env_names_the_versions_backends_and_the_config_in_use(tmp_path):
+    cfg = tmp_path / "mine.yaml"
+    cfg.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_processes: 2\n")
+    done = subprocess.run([*MINIDDP, "env", "--config_file", str(cfg)], capture_output=True, text=True)
+    assert done.returncode == 0
+    assert "PyTorch version" in done.stdout and "gloo" in done.stdout
+    assert str(cfg) in done.stdout and "num_processes: 2" in done.stdout

@@ -103,6 +103,11 @@ class TrainingConfig:
         "help": "train on the CPU even where there is a GPU (the backend does not choose the device)"})
     gradient_checkpointing: bool = field(default=False, metadata={
         "help": "recompute activations in backward (model.gradient_checkpointing_enable)"})
+    torch_compile: bool = field(default=False, metadata={
+        "help": "torch.compile the DDP-wrapped model for training, as Accelerate does (docs/ddp.md#torchcompile)"})
+    torch_compile_backend: str | None = field(default=None, metadata={
+        "help": "torch.compile's backend; setting it sets torch_compile (none: inductor; aot_eager needs no "
+                "compiler)"})
     mixed_precision: str = field(default="no", metadata={
         "help": "autocast to bf16, or fp16 with a GradScaler; no: fp32"})
     loss_normalization: str = field(default="per_batch", metadata={
@@ -159,6 +164,8 @@ class TrainingConfig:
         for name, allowed in choices().items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {', '.join(allowed)}")
+        if self.torch_compile_backend is not None:  # Transformers: the backend implies torch_compile
+            self.torch_compile = True
         if self.gradient_checkpointing and self.ddp_find_unused_parameters:
             raise ValueError("ddp_find_unused_parameters=True cannot be combined with gradient_checkpointing: "
                              "checkpointing recomputes the graph in backward, so the graph walked after the forward "

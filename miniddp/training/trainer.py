@@ -64,6 +64,8 @@ class Trainer(TrainerReporting, TrainerCheckpointing):
         self.env = init_distributed(args.ddp_backend, args.ddp_timeout, device="cpu" if args.use_cpu else None)
         self.device, self.rank, self.world_size = self.env.device, self.env.rank, self.env.world_size
         self.model, self.ddp, self.comm_hook = prepare_model(model, args, self.device)  # self.model: unwrapped
+        self.forward = torch.compile(self.ddp, backend=args.torch_compile_backend or "inductor") \
+            if args.torch_compile else self.ddp  # the training forward: DDP itself, or DDP compiled (Accelerate's)
         seed_per_rank(args.seed, self.rank)  # after the wrap: rank 0's initial weights are everyone's
         self.sampler, self.loader = prepare_dataloader(train_dataset, args, self.rank, self.world_size, self.device,
                                                        data_collator)
@@ -93,7 +95,7 @@ class Trainer(TrainerReporting, TrainerCheckpointing):
         for j, batch in enumerate(micro_batches):
             with nullcontext() if j == n - 1 else self.ddp.no_sync():  # sync only the last micro-batch
                 with self.autocast():
-                    loss, _ = compute_loss(self.ddp, move_to(batch, self.device), self.compute_loss_func,
+                    loss, _ = compute_loss(self.forward, move_to(batch, self.device), self.compute_loss_func,
                                            num_items)
                 # DDP divides the summed gradients by world_size. A loss divided by the window's item
                 # count over all ranks is multiplied back: the gradient is the mean over every item.

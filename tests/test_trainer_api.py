@@ -179,18 +179,21 @@ def _ddp_settings(rank, world_size, out, overrides):
     world = dist.group.WORLD._get_backend(torch.device("cpu"))  # the process group init_distributed made
     return {"backend": (trainer.env.backend, dist.get_backend()), "timeout": world.options._timeout.total_seconds(),
             "buckets": len(trainer.ddp.bucket_assignment), "find_unused": trainer.ddp.reducer.find_unused,
-            "broadcast_buffers": trainer.ddp.broadcast_buffers, "device": str(trainer.env.device)}
+            "broadcast_buffers": trainer.ddp.broadcast_buffers, "device": str(trainer.env.device),
+            "static_graph": trainer.ddp.reducer.static is not None}
 
 
 def test_every_ddp_flag_reaches_ddp_and_the_process_group(tmp_path):
     flags = {"ddp_backend": "gloo", "ddp_timeout": 123, "ddp_bucket_cap_mb": 0.0001,
-             "ddp_find_unused_parameters": True, "ddp_broadcast_buffers": False, "use_cpu": True}
+             "ddp_find_unused_parameters": True, "ddp_broadcast_buffers": False, "use_cpu": True,
+             "ddp_static_graph": True}
     default = run_on_ranks(_ddp_settings, 2, args=(str(tmp_path), {"ddp_backend": "gloo"}), init=False)[0]
     assert default == {"backend": ("gloo", "gloo"), "timeout": 1800, "buckets": 1, "find_unused": False,
-                       "broadcast_buffers": True, "device": "cuda:0" if torch.cuda.is_available() else "cpu"}
+                       "broadcast_buffers": True, "device": "cuda:0" if torch.cuda.is_available() else "cpu",
+                       "static_graph": False}
     chosen = run_on_ranks(_ddp_settings, 2, args=(str(tmp_path), flags), init=False)[0]
     assert chosen == {"backend": ("gloo", "gloo"), "timeout": 123, "buckets": 3, "find_unused": True,
-                      "broadcast_buffers": False, "device": "cpu"}
+                      "broadcast_buffers": False, "device": "cpu", "static_graph": True}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="nccl would start on this machine")

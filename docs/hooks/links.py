@@ -154,7 +154,7 @@ API_OF = {
                       "miniddp.comm_hooks.call_order", "miniddp.comm_hooks.byte_count", "miniddp.comm_hooks.powersgd"],
     "no-sync.md": ["miniddp.engine.no_sync"],
     "buffers.md": ["miniddp.engine.buffers"],
-    "unused-parameters.md": ["miniddp.engine.unused"],
+    "unused-parameters.md": ["miniddp.engine.unused", "miniddp.engine.static_graph"],
     "ddp.md": ["miniddp.engine.ddp", "miniddp.engine.inputs"],
     "performance.md": ["miniddp.diagnostics.trace", "miniddp.diagnostics.timeline"],
     "costmodel.md": ["miniddp.engine.alpha_beta", "miniddp.engine.step_profile", "miniddp.engine.costmodel",

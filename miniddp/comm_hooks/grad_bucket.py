@@ -17,6 +17,8 @@ How torch differs
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 
@@ -55,6 +57,27 @@ class GradBucket:
 def hook_name(hook) -> str:
     """How errors name a hook; ``None`` is the reducer's default path (a SUM all-reduce, no hook)."""
     return "(the default all-reduce)" if hook is None else getattr(hook, "__qualname__", repr(hook))
+
+
+# --8<-- [start:registration]
+def check_registration(state, hook, *, registered: bool, started: bool) -> None:
+    """What ``register_comm_hook`` refuses, as torch does: a non-callable, a hook that cannot take
+    ``(state, bucket)``, a second hook, or one registered after the first forward."""
+    if not callable(hook):
+        raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")
+    try:
+        inspect.signature(hook).bind(state, None)
+    except TypeError as err:
+        raise TypeError(f"register_comm_hook: hook must take (state, bucket): {err}") from None
+    except ValueError:  # a callable without an inspectable signature: find out when it is called
+        pass
+    if registered:
+        raise RuntimeError("register_comm_hook can only be called once per model (torch: the same); "
+                           "to change the hook, wrap the model again")
+    if started:
+        raise RuntimeError("register_comm_hook must be called before the first forward: a hook with state "
+                           "(PowerSGD's error feedback, its step count) has to see every step")
+# --8<-- [end:registration]
 
 
 def checked_future(hook, future, index: int):

@@ -2,7 +2,7 @@
 
 What
     A drop-in for ``torch.nn.parallel.DistributedDataParallel`` (``device_ids, process_group,
-    bucket_cap_mb, broadcast_buffers, find_unused_parameters, gradient_as_bucket_view``). Wrapping
+    bucket_cap_mb, broadcast_buffers, find_unused_parameters, gradient_as_bucket_view, static_graph``). Wrapping
     checks that every rank built the same model and copies rank 0's state (``buffers.py``); each
     grad-enabled forward re-broadcasts buffers and arms the reducer (``reducer.py``), unless it ran
     in ``no_sync()``; inside ``join()`` ranks out of data shadow the others (``DDPJoinHook``).
@@ -12,20 +12,19 @@ Why
     training step can be followed from top to bottom.
 
 How torch differs
-    torch's (``torch/nn/parallel/distributed.py`` + ``reducer.cpp``) also supports static graphs,
-    mixed-device modules, sparse gradients and optimizer overlap. Ours takes ``bucket_cap_mb="auto"``
-    (``auto_bucket.py``), raises a missing gradient at the end of the same backward, compares
+    torch's (``torch/nn/parallel/distributed.py`` + ``reducer.cpp``) also supports mixed-device
+    modules, sparse gradients, optimizer overlap, and join() with a static graph. Ours takes
+    ``bucket_cap_mb="auto"`` (``auto_bucket.py``), raises a missing gradient at the end of the same backward, compares
     buffers and ``requires_grad`` at wrap (torch: parameter shapes only), and never communicates
     in a no-grad forward (torch broadcasts buffers there: a rank-0-only evaluation can hang).
 """
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import torch.distributed as dist
 
+from ..comm_hooks.grad_bucket import check_registration
 from ..process_group.clean_exit import group_or_default
 from ..process_group.fingerprint import issued_as
 from ..process_group.process_info import announce_process
@@ -42,6 +41,7 @@ from .inputs import check_device_ids, move_to
 from .join import Join, Joinable, JoinHook, Round
 from .no_sync import ChangedInWindow, no_sync
 from .reducer import Reducer
+from .static_graph import check_flags
 
 
 class WrappedAgainError(RuntimeError):
@@ -53,7 +53,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
 
     def __init__(self, module: torch.nn.Module, device_ids=None, *, process_group=None, bucket_cap_mb=None,
                  broadcast_buffers: bool = True, find_unused_parameters: bool = False,
-                 gradient_as_bucket_view: bool = False, tracer=None):
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False, tracer=None):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("DistributedDataParallel needs a process group: call "
@@ -65,6 +65,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self.require_backward_grad_sync = True  # False inside no_sync()
         self._started = False  # a grad-enabled forward has run: too late for register_comm_hook
         self.auto_cap = AutoBucketCap() if bucket_cap_mb == "auto" else None  # chooses the cap at the rebuild
+        self.static_graph = static_graph  # learn the graph in the first backward, then rely on it (static_graph.py)
+        check_flags(static_graph, find_unused_parameters)
         refuse_meta_tensors(module)  # shapes without data: nothing to broadcast or average
         limits = bucket_size_limits(bucket_cap_mb)  # "auto": torch's defaults until the rebuild chooses
         # --8<-- [start:wrap]
@@ -81,7 +83,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         observers = [o for o in (tracer, self.auto_cap) if o is not None]  # they watch the reducer's events
         self.reducer = Reducer([p for _, p in named], [n for n, _ in named], process_group, limits,
                                find_unused_parameters=find_unused_parameters,
-                               gradient_as_bucket_view=gradient_as_bucket_view, observers=observers)
+                               gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
+                               observers=observers)
         # --8<-- [end:wrap]
 
     # --8<-- [start:forward]
@@ -155,20 +158,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         """torch's contract: ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]`` is called with each
         ready bucket (a ``comm_hooks.GradBucket``, undivided) and returns a future of the averaged
         ``bucket.buffer()``, which is written back to ``.grad``. Once per model, before the first forward."""
-        if not callable(hook):
-            raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")
-        try:
-            inspect.signature(hook).bind(state, None)
-        except TypeError as err:
-            raise TypeError(f"register_comm_hook: hook must take (state, bucket): {err}") from None
-        except ValueError:  # a callable without an inspectable signature: find out when it is called
-            pass
-        if self.reducer.hook is not None:
-            raise RuntimeError("register_comm_hook can only be called once per model (torch: the same); "
-                               "to change the hook, wrap the model again")
-        if self._started:
-            raise RuntimeError("register_comm_hook must be called before the first forward: a hook with state "
-                               "(PowerSGD's error feedback, its step count) has to see every step")
+        check_registration(state, hook, registered=self.reducer.hook is not None, started=self._started)
         self.reducer.set_comm_hook(state, hook)
     # --8<-- [end:register_comm_hook]
 
@@ -177,6 +167,9 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
              throw_on_early_termination: bool = False) -> Join:
         """Context manager for uneven inputs (torch's semantics): ranks that run out of batches shadow
         the collectives of those still training; see ``miniddp.engine.join``."""
+        if enable and self.static_graph:
+            raise NotImplementedError("join() with static_graph=True: miniddp's static graph expects every rank's "
+                                      "gradients in every backward; use find_unused_parameters=True for uneven inputs")
         return Join(self, enable, throw_on_early_termination, divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, divide_by_initial_world_size: bool = True) -> DDPJoinHook:

@@ -15,7 +15,7 @@ How torch differs
     ``reducer.cpp`` has the same parts (``autograd_hook``, ``mark_variable_ready``,
     ``finalize_backward``, ``rebuild_buckets``) and the same mean: no hook, divide on the way in
     and sum. Who had each gradient travels in one small all-reduce (``unused.UsedCounts``; torch: a
-    bitmap, only with ``find_unused_parameters=True``).
+    bitmap, only with ``find_unused_parameters=True``). ``static_graph=True``: ``static_graph.py``.
 """
 
 from __future__ import annotations
@@ -35,13 +35,12 @@ from .autograd_hooks import hook_once, on_backward_start
 from .bucketing import build_buckets, check_dense, compute_bucket_assignment, rebuilt_assignment
 from .no_sync import Accumulated
 from .observers import Observers
+from .static_graph import StaticGraph
 from .unused import UsedCounts, check_counts, gradient_twice_message, unused_contribution, unused_parameters
 
 
 @dataclass
-class Backward:
-    """Everything one synced backward knows; ``prepare_for_backward`` makes a fresh one."""
-
+class Backward:  # everything one synced backward knows; prepare_for_backward makes a fresh one
     divisor: int  # the N of mean = sum / N on the default path (join: maybe the active ranks only)
     expected: int  # ranks that must produce each gradient (join: the active ones)
     local_unused: list[int]  # no gradient on this rank: the graph walk's, then the never-arrived
@@ -61,17 +60,16 @@ class Reducer:
     """Bucketed, overlapped gradient averaging for a list of parameters."""
 
     def __init__(self, params, names, process_group, size_limits, *, find_unused_parameters=False,
-                 gradient_as_bucket_view=False, observers=()):
+                 gradient_as_bucket_view=False, static_graph=False, observers=()):
         self.params = list(params)  # parameters that require grad, registration order
         self.names = list(names)  # their qualified names
         self._group = process_group  # who we average with; None: the default group, never held (clean_exit.py)
         self.world_size = dist.get_world_size(self.group)
         self.size_limits = list(size_limits)  # bucket byte limits (first, then the rest)
-        self.find_unused = find_unused_parameters  # walk the graph after each forward?
+        self.find_unused = find_unused_parameters or static_graph  # unused on purpose: their .grad kept, no error
         self.as_view = gradient_as_bucket_view  # .grad is a view into the bucket
         self.observers = Observers(observers)  # told each named event (observers.py)
-        self.hook, self.hook_state = None, None  # register_comm_hook's; None: the default path (divide, sum)
-        self.call_order = CallOrder()  # when the next bucket may go out (comm_hooks.call_order)
+        self.set_comm_hook(None, None)  # hook None: the default path (divide, sum); call_order: when a bucket may go
         self._install(list(reversed(compute_bucket_assignment(self.params, self.size_limits))))  # last layers first
         self.backward: Backward | None = None  # armed by a synced forward until its backward ends
         self.accumulated = Accumulated(len(self.params))  # got a gradient since the last sync (no_sync too)
@@ -81,6 +79,7 @@ class Reducer:
         self.rebuild_due = False  # rebuild at the next forward
         self.backwards = 0  # synced backwards so far (shadowed ones too): names a collective in errors
         self.superseded = False  # a later wrapper of the same parameters took their hooks over
+        self.static = StaticGraph(self.names, dist.get_rank(self.group), self.world_size) if static_graph else None
         for i, p in enumerate(self.params):
             hook_once(p, self._make_hook(i), self)
 
@@ -96,8 +95,7 @@ class Reducer:
         self.hook, self.hook_state, self.call_order = hook, state, CallOrder(hook)
 
     @property
-    def waiting_for_backward(self) -> bool:
-        """Armed by a synced forward whose backward has not started."""
+    def waiting_for_backward(self) -> bool:  # armed by a synced forward whose backward has not started
         return self.backward is not None and not self.backward.started
 
     # --8<-- [start:prepare]
@@ -105,7 +103,8 @@ class Reducer:
         """Called at the end of a synced forward: arm the hooks for the coming backward."""
         self.backward = Backward(
             divisor=divisor or self.world_size, expected=expected or self.world_size,
-            local_unused=unused_parameters(outputs, self.params) if self.find_unused else [],
+            local_unused=self.static.begin() if self.static else  # static_graph: no walk, the first backward's
+            unused_parameters(outputs, self.params) if self.find_unused else [],
             pending=[len(b.params) for b in self.buckets], counts=UsedCounts(len(self.params)),
             ready=[False] * len(self.params))
         on_backward_start(outputs, self.params, self._start_backward)  # a backward reaching the parameters
@@ -131,6 +130,8 @@ class Reducer:
                 self.accumulated.unarmed(self.names[i])  # warned, unless a no_sync forward explains it
                 return
             self._start_backward()
+            if self.static is not None and not self.static.fire(i):  # static_graph: ready at its last firing
+                return
             if not self.rebuilt:
                 self.ready_order.append(i)
             self._mark_ready(i, grad)
@@ -175,15 +176,13 @@ class Reducer:
             if self.hook is None:  # the default path: the gradients came in divided by N, so the sum is the mean
                 future = all_reduce(flat, self.group)
             else:  # torch's contract: the hook gets the undivided bucket and returns a future of its mean
-                is_last = bucket.index == len(self.buckets) - 1
-                future = checked_future(self.hook, self.hook(self.hook_state, bucket.for_hook(is_last, flat)),
-                                        bucket.index)
+                future = checked_future(self.hook, self.hook(self.hook_state, bucket.for_hook(
+                    bucket.index == len(self.buckets) - 1, flat)), bucket.index)
         state.futures.append(future)
         if not state.shadow:
             self.observers.bucket_launched(bucket, future)
 
-    def _may_issue(self, state: Backward, wait: bool) -> bool:
-        """May the next collective go out now? With ``wait``, wait until it may."""
+    def _may_issue(self, state: Backward, wait: bool) -> bool:  # may the next collective go out now? (wait: until)
         previous = self.call_order.wait_for(state.futures)
         if previous is not None and wait:
             self._wait(f"all-reduce of bucket {state.next_bucket - 1}", previous)
@@ -199,6 +198,8 @@ class Reducer:
         state = self.backward
         self.backwards += 1
         try:
+            if self.static is not None:  # its first backward: all that came goes now; each backward: its flags
+                self.static.before_finish(state.counts, lambda i: self._mark_ready(i, self.params[i].grad))
             for i, done in enumerate(state.ready):  # no gradient on this rank: zeros, so nobody hangs
                 if not done:
                     state.local_unused.append(i)
@@ -213,10 +214,10 @@ class Reducer:
         finally:
             self.backward = None  # disarmed, whatever happened
         self.observers.backward_ended()
-        self.warned_no_unused |= check_counts(counts, state.expected, self.names, find_unused=self.find_unused,
-                                              local=state.local_unused, params=self.params,
-                                              warn_if_nothing_unused=not self.warned_no_unused)
-        self.rebuild_due = not self.rebuilt  # the rebuild happens once, at the next forward
+        self.warned_no_unused |= self.static.end(counts) if self.static else check_counts(  # static: learn, or raise
+            counts, state.expected, self.names, find_unused=self.find_unused, local=state.local_unused,
+            params=self.params, warn_if_nothing_unused=not self.warned_no_unused)
+        self.rebuild_due = not self.rebuilt and (self.static is None or self.static.order_known)  # once, next forward
 
     def _finish(self, state: Backward) -> tuple[list[torch.Tensor], list[int]]:
         """The buckets still waiting their turn, then the used counts (after every hook's last collective,

@@ -87,6 +87,8 @@ class TrainingConfig:
         "help": "process-group backend; auto: from the device (gloo on CPU, nccl on CUDA)"})
     ddp_find_unused_parameters: bool = field(default=False, metadata={
         "help": "DDP's find_unused_parameters: allow parameters without gradient"})
+    ddp_static_graph: bool = field(default=False, metadata={
+        "help": "DDP's static_graph: learn the graph in the first step (reentrant checkpointing works)"})
     ddp_bucket_cap_mb: float | str | None = field(default=None, metadata={
         "help": "DDP's bucket_cap_mb in MiB, or auto (the cost model picks it); none: 1 MiB, then 25 MiB"})
     ddp_broadcast_buffers: bool = field(default=True, metadata={

@@ -57,7 +57,7 @@ def prepare_model(model: torch.nn.Module, args: TrainingConfig, device: torch.de
     ddp = DistributedDataParallel(
         model, device_ids=[device] if device.type == "cuda" else None,
         bucket_cap_mb=args.ddp_bucket_cap_mb, broadcast_buffers=args.ddp_broadcast_buffers,
-        find_unused_parameters=args.ddp_find_unused_parameters)
+        find_unused_parameters=args.ddp_find_unused_parameters, static_graph=args.ddp_static_graph)
     comm_hook = hook_by_name(args.ddp_comm_hook, None, args.ddp_comm_powersgd_rank, args.ddp_comm_powersgd_start_iter)
     if comm_hook is not None:
         ddp.register_comm_hook(*comm_hook)

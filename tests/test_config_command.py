@@ -12,6 +12,7 @@ import pty
 import select
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -104,11 +105,22 @@ def test_default_config_file_honours_accelerates_environment(monkeypatch, tmp_pa
     assert default_config_file() == str(tmp_path / "xdg" / "huggingface" / "accelerate" / "default_config.yaml")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     assert default_config_file() == str(tmp_path / "hf" / "accelerate" / "default_config.yaml")
-    accelerate = pytest.importorskip("accelerate.utils", reason="accelerate is not installed")
-    real = tmp_path / "accelerate-default.yaml"  # what the real `accelerate config default` writes
-    accelerate.write_basic_config(mixed_precision="no", save_location=str(real))
-    cfg = read_config(real)
+
+
+def test_a_file_from_the_real_accelerate_config_default_is_read_and_launched(tmp_path):
+    accelerate = Path(sys.executable).parent / "accelerate"  # the console script of the hf extra
+    if not accelerate.exists():
+        pytest.skip("accelerate is not installed: pip install -e '.[hf]'")
+    real = tmp_path / "accelerate-default.yaml"
+    made = subprocess.run([str(accelerate), "config", "default", "--config_file", str(real)], capture_output=True,
+                          text=True)
+    assert made.returncode == 0, made.stderr
+    cfg = read_config(real)  # Accelerate writes JSON here, which is YAML too
     assert cfg["compute_environment"] == "LOCAL_MACHINE" and cfg["mixed_precision"] == "no"
+    launched = subprocess.run([*MINIDDP, "launch", "--config_file", str(real), "--dry_run", "-m", "miniddp.train",
+                               "--output_dir", str(tmp_path / "out")], capture_output=True, text=True)
+    assert launched.returncode == 0, launched.stderr
+    assert f"--nproc-per-node={cfg['num_processes']}" in launched.stdout
 
 
 def test_env_names_the_versions_backends_and_the_config_in_use(tmp_path):

@@ -5,8 +5,11 @@ What
 
     * a **dict** batch calls ``model(**batch)`` and takes ``outputs["loss"]`` or
       ``outputs.loss`` (Hugging Face models compute it when ``labels`` are in the
-      batch). With a ``compute_loss_func``, ``labels`` are taken out first and the
-      loss is ``compute_loss_func(outputs, labels, num_items_in_batch=N)``;
+      batch). A model whose ``forward`` takes ``**kwargs`` (every Transformers model), or
+      that sets ``accepts_loss_kwargs = True``, also gets ``num_items_in_batch=N`` and
+      divides its summed loss by it, as ``transformers.Trainer`` arranges. With a
+      ``compute_loss_func``, ``labels`` are taken out first and the loss is
+      ``compute_loss_func(outputs, labels, num_items_in_batch=N)``;
     * a **tuple or list** batch ``(inputs..., labels)`` calls ``model(*inputs)``
       and ``compute_loss_func(outputs, labels, num_items_in_batch=N)``. A two-parameter
       ``compute_loss_func(outputs, labels)`` is called without ``N``; its loss is taken as a
@@ -70,6 +73,22 @@ def count_items(batch) -> torch.Tensor:
     return torch.tensor(len(first), device=first.device)
 
 
+def accepts_loss_kwargs(model) -> bool:
+    """Transformers' rule: ``model.accepts_loss_kwargs`` if set, else whether ``forward`` takes ``**kwargs``."""
+    if hasattr(model, "accepts_loss_kwargs"):
+        return bool(model.accepts_loss_kwargs)
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def counts_items(model, compute_loss_func) -> bool:
+    """Is the loss divided by ``num_items_in_batch`` (so the Trainer must count the window's items)?"""
+    return takes_num_items(compute_loss_func) if compute_loss_func is not None else accepts_loss_kwargs(model)
+
+
 def takes_num_items(compute_loss_func) -> bool:
     """Whether ``compute_loss_func`` takes ``num_items_in_batch`` (Hugging Face's form). A two-parameter
     ``fn(outputs, labels)`` does not: its loss is a per-batch mean, like a model's own."""
@@ -97,10 +116,12 @@ def _call_loss(compute_loss_func, outputs, labels, num_items_in_batch):
 
 # --8<-- [start:compute_loss]
 def compute_loss(model, batch, compute_loss_func=None, num_items_in_batch=None):
-    """``(loss, outputs)`` of one batch: the model's own loss, or ``compute_loss_func``'s."""
+    """``(loss, outputs)`` of one batch: the model's own loss, or ``compute_loss_func``'s. ``num_items_in_batch``
+    is passed only when it is not None (a model's own loss: when the caller found ``counts_items``)."""
     if isinstance(batch, Mapping):
         if compute_loss_func is None:
-            outputs = model(**batch)
+            extra = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
+            outputs = model(**batch, **extra)
             return scalar_loss(_loss_in(outputs, batch), "the model"), outputs
         if "labels" not in batch:
             raise ValueError(f"compute_loss_func needs labels, but the dict batch has no 'labels' key "
@@ -189,7 +210,8 @@ def evaluate(model, dataset, *, device, batch_size, collate_fn=None, compute_los
     for batch in DataLoader(mine, batch_size=batch_size, collate_fn=collate_fn):
         batch = move_to(batch, device)
         items = count_items(batch)
-        loss, outputs = compute_loss(model, batch, compute_loss_func, num_items_in_batch=items)
+        loss, outputs = compute_loss(model, batch, compute_loss_func,
+                                     num_items_in_batch=items if counts_items(model, compute_loss_func) else None)
         totals += torch.stack([loss.double() * items, items.double()])  # a mean over items, back to a sum
         if compute_metrics is not None:
             if labels_of(batch) is None:

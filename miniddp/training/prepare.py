@@ -36,15 +36,18 @@ from .config import TrainingConfig
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module, broadcast_buffers: bool) -> None:
-    """``model.gradient_checkpointing_enable()``, as Hugging Face calls it; or why it cannot be done."""
-    enable = getattr(model, "gradient_checkpointing_enable", None)
+    """``model.gradient_checkpointing_enable()`` (Transformers 5: ``activation_checkpointing_enable()``, the
+    same with a new name), as Hugging Face calls it; or why it cannot be done."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or getattr(model, "gradient_checkpointing_enable",
+                                                                               None)
     if enable is None:
         raise ValueError(f"gradient_checkpointing=True but {type(model).__name__} has no "
                          "gradient_checkpointing_enable() method (Hugging Face models have one): add it, or "
                          "checkpoint inside your forward with torch.utils.checkpoint")
-    if broadcast_buffers and any(True for _ in model.buffers()):
-        raise ValueError("ddp_broadcast_buffers=True with gradient_checkpointing on a model with buffers: "
-                         "set ddp_broadcast_buffers=False")
+    if broadcast_buffers and any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+                                 for m in model.modules()):  # constant buffers (BERT's position_ids) are harmless
+        raise ValueError("ddp_broadcast_buffers=True with gradient_checkpointing on a model with BatchNorm running "
+                         "statistics: set ddp_broadcast_buffers=False")
     enable()
 
 

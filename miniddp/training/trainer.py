@@ -38,7 +38,7 @@ import torch.distributed as dist
 from ..engine.ddp import move_to
 from ..process_group.env import init_distributed
 from ..process_group.stalled_ranks import naming_stalled_ranks
-from .batches import compute_loss, count_items, takes_num_items
+from .batches import compute_loss, count_items, counts_items
 from .config import TrainingConfig
 from .epoch import plan_epoch
 from .nonfinite import grad_norm, stop_if_not_finite
@@ -99,7 +99,7 @@ class Trainer(TrainerReporting, TrainerCheckpointing):
                                            num_items)
                 # DDP divides the summed gradients by world_size. A loss divided by the window's item
                 # count over all ranks is multiplied back: the gradient is the mean over every item.
-                # A model's own loss is a micro-batch mean: divide by the window's real length.
+                # A per-batch mean (a model without **kwargs): divide by the window's real length.
                 loss = loss * self.world_size if num_items is not None else loss / n
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss.detach()
@@ -124,9 +124,9 @@ class Trainer(TrainerReporting, TrainerCheckpointing):
         return total
 
     def _num_items(self, micro_batches):
-        """compute_loss_func's num_items_in_batch: the window's labels on all ranks (one all-reduce)."""
-        if self.compute_loss_func is None or not takes_num_items(self.compute_loss_func):
-            return None  # a per-batch mean (the model's loss, or fn(outputs, labels)): divided by the window
+        """num_items_in_batch for compute_loss_func or the model: the window's labels on all ranks (one all-reduce)."""
+        if not counts_items(self.model, self.compute_loss_func):
+            return None  # a per-batch mean (a model without **kwargs, or fn(outputs, labels)): divided by the window
         count = sum(count_items(b) for b in micro_batches).to(self.device)  # counted where the labels are
         with naming_stalled_ranks(f"item count of step {self.state['global_step'] + 1}"):
             dist.all_reduce(count)

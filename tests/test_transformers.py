@@ -20,6 +20,7 @@ VOCAB, LENGTH, SAMPLES = 64, 12, 64
 SPLITS = {1: (16, 1), 2: (4, 2)}  # world size -> (per_device_train_batch_size, gradient_accumulation_steps): 16 a step
 
 
+# --8<-- [start:gpt2]
 def gpt2():
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=LENGTH,
                                      bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -49,6 +50,9 @@ class Sentences(torch.utils.data.Dataset):
         mask = torch.arange(LENGTH) < self.lengths[i]
         ids = torch.where(mask, self.ids[i], 0)
         return {"input_ids": ids, "attention_mask": mask.long(), "labels": torch.where(mask, ids, -100)}
+
+
+# --8<-- [end:gpt2]
 
 
 def _quiet():

@@ -39,6 +39,7 @@ from ..comm_hooks import COMM_HOOKS
 from ..engine.bucketing import check_bucket_cap_mb
 from ..process_group.backend import valid_backend_names
 from ..process_group.timeouts import DEFAULT_TIMEOUT_S, as_timedelta
+from .report_to import REPORT_TO, check_report_to
 
 MIXED_PRECISION = ("no", "bf16", "fp16")
 LOSS_NORMALIZATION = ("per_batch", "global_tokens")
@@ -50,7 +51,7 @@ def choices() -> dict[str, list[str]]:
     """The fields that take one of a few names, and those names (validation and ``--help`` share them)."""
     return {"ddp_backend": valid_backend_names(), "ddp_comm_hook": list(COMM_HOOKS),
             "mixed_precision": list(MIXED_PRECISION), "loss_normalization": list(LOSS_NORMALIZATION),
-            "model": list(MODELS)}
+            "model": list(MODELS), "report_to": list(REPORT_TO)}
 
 
 @dataclass
@@ -120,6 +121,8 @@ class TrainingConfig:
     eval_size: int = field(default=512, metadata={"help": "held-out samples of the built-in task; 0: no evaluation"})
     dropout: float = field(default=0.0, metadata={"help": "the built-in models' dropout probability"})
     disable_tqdm: bool = field(default=False, metadata={"help": "no progress bar"})
+    report_to: str = field(default="none", metadata={
+        "help": "also log to tensorboard (rank 0; output_dir/runs/ or $TENSORBOARD_LOGGING_DIR); none: metrics.json"})
 
     def __post_init__(self):
         self.validate()
@@ -166,6 +169,7 @@ class TrainingConfig:
         for name, allowed in choices().items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {', '.join(allowed)}")
+        check_report_to(self.report_to)  # the package too: before any rank starts
         if self.torch_compile_backend is not None:  # Transformers: the backend implies torch_compile
             self.torch_compile = True
         if self.gradient_checkpointing and self.ddp_find_unused_parameters:

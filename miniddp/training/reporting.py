@@ -57,6 +57,7 @@ class TrainerReporting:
         loss = (state["loss_sum"] - state["logged_loss"]) / (step - state["logged_step"])  # mean since last log
         state.update(logged_step=step, logged_loss=state["loss_sum"])
         self.log_history.append({"step": step, "loss": loss, "lr": self.scheduler.get_last_lr()[0]})
+        self.reporter.log(self.log_history[-1], step)  # report_to.py: TensorBoard on rank 0, or nothing
         if progress is not None:
             progress.set_postfix(loss=f"{loss:.4f}")
 
@@ -88,6 +89,8 @@ class TrainerReporting:
                    "train_loss": self.state["loss_sum"] / max(1, self.state["global_step"]),
                    **({"fp16_skipped_steps": self.state["skipped_steps"]} if self.scaler else {}),
                    **self.evaluate(), "log_history": self.log_history}
+        self.reporter.log({k: v for k, v in metrics.items() if k == "train_loss" or k.startswith("eval_")},
+                          self.state["global_step"])
 
         def write():  # each atomically: a crash or a full disk leaves the previous version whole
             out = Path(args.output_dir)

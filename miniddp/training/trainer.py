@@ -43,6 +43,7 @@ from .config import TrainingConfig
 from .epoch import plan_epoch
 from .nonfinite import grad_norm, stop_if_not_finite
 from .prepare import prepare_dataloader, prepare_mixed_precision, prepare_model, prepare_optimizer
+from .report_to import Reporter
 from .reporting import TrainerReporting
 from .resume import epoch_batches, seed_per_rank, setup_of
 from .trainer_checkpoint import TrainerCheckpointing
@@ -85,6 +86,7 @@ class Trainer(TrainerReporting, TrainerCheckpointing):
         self.log_history: list[dict] = []
         self.setup = setup_of(args, self.world_size, len(train_dataset), self.model)  # a resume must match it
         self.lock = None  # rank 0's lock on output_dir while train() runs
+        self.reporter = Reporter(args.report_to, args.output_dir, self.rank)  # report_to: where logs also go
 
     # --8<-- [start:window]
     def _window_step(self, micro_batches) -> torch.Tensor:
@@ -143,6 +145,7 @@ class Trainer(TrainerReporting, TrainerCheckpointing):
             self._loop()
             return self._finish()
         finally:
+            self.reporter.close()
             if self.lock is not None:
                 self.lock.release()
                 self.lock = None

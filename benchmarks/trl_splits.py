@@ -1,4 +1,4 @@
-"""TRL's table of equivalent configurations, as loss curves of real runs (a minute on 2 cores).
+"""TRL's table of equivalent configurations, as loss curves of real runs (seconds).
 
 Run:  python benchmarks/trl_splits.py
 

@@ -16,6 +16,8 @@ from .process_group.stalled_ranks import StalledRankError
 from .process_group.desync import CollectiveMismatchError
 from .engine.bucketing import compute_bucket_assignment
 from .engine.ddp import DistributedDataParallel, WrappedAgainError
+from .engine.ddp_optimizer import DDPOptimizer
+from .engine.static_graph import StaticGraphChangedError
 from . import comm_hooks  # miniddp.comm_hooks.allreduce_hook, ..., PowerSGDState, powerSGD_hook
 from .engine.no_sync import accumulation_windows, no_sync, should_sync
 from .by_hand.sharding import ShardSampler
@@ -32,6 +34,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DEVICE_BACKENDS",
     "CollectiveMismatchError",
+    "DDPOptimizer",
     "DEFAULT_TIMEOUT_S",
     "DistEnv",
     "DistributedDataParallel",
@@ -41,6 +44,7 @@ __all__ = [
     "SetupChangedError",
     "ShardSampler",
     "StalledRankError",
+    "StaticGraphChangedError",
     "Trainer",
     "TrainingConfig",
     "WrappedAgainError",

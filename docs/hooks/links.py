@@ -155,7 +155,7 @@ API_OF = {
     "no-sync.md": ["miniddp.engine.no_sync"],
     "buffers.md": ["miniddp.engine.buffers"],
     "unused-parameters.md": ["miniddp.engine.unused", "miniddp.engine.static_graph"],
-    "ddp.md": ["miniddp.engine.ddp", "miniddp.engine.inputs"],
+    "ddp.md": ["miniddp.engine.ddp", "miniddp.engine.inputs", "miniddp.engine.ddp_optimizer"],
     "performance.md": ["miniddp.diagnostics.trace", "miniddp.diagnostics.timeline"],
     "costmodel.md": ["miniddp.engine.alpha_beta", "miniddp.engine.step_profile", "miniddp.engine.costmodel",
                      "miniddp.diagnostics.trace"],

@@ -30,7 +30,8 @@ def test_effective_batch_is_the_product(per_device, world, accumulation, effecti
     ("ddp_timeout", -5), ("ddp_bucket_cap_mb", 0), ("ddp_backend", "ncl"), ("mixed_precision", "fp8"),
     ("loss_normalization", "tokens"), ("model", "resnet"), ("save_total_limit", 0), ("dropout", 1.0),
     ("logging_steps", 0), ("max_grad_norm", -1), ("ddp_comm_hook", "powersgd"), ("ddp_comm_powersgd_rank", 0),
-    ("ddp_comm_powersgd_start_iter", 1),
+    ("ddp_comm_powersgd_start_iter", 1), ("gradient_checkpointing_kwargs", "{use_reentrant: true}"),
+    ("gradient_checkpointing_kwargs", "[true]"), ("report_to", "wandb"),
 ])
 def test_bad_values_name_their_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -45,6 +46,13 @@ def test_gradient_checkpointing_conflicts_are_refused(flag):
 
 def test_gradient_checkpointing_alone_is_fine():
     assert TrainingConfig(gradient_checkpointing=True).gradient_checkpointing
+
+
+def test_checkpointing_keywords_come_as_json_or_a_dict():
+    assert TrainingConfig(gradient_checkpointing_kwargs='{"use_reentrant": true}').gradient_checkpointing_kwargs \
+        == {"use_reentrant": True}
+    assert TrainingConfig(gradient_checkpointing_kwargs={"use_reentrant": False}).gradient_checkpointing_kwargs \
+        == {"use_reentrant": False}
 
 
 def test_every_field_is_a_cli_flag():

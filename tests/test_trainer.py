@@ -182,6 +182,9 @@ def test_gradient_checkpointing_changes_memory_not_results(tmp_path):
     plain, _ = _run(2, 16, 1, tmp_path)
     checkpointed, _ = _run(2, 16, 1, tmp_path, gradient_checkpointing=True)
     assert _max_diff(plain, checkpointed) < 1e-10
+    reentrant, _ = _run(2, 16, 1, tmp_path, gradient_checkpointing=True, ddp_static_graph=True,
+                        gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert _max_diff(plain, reentrant) < 1e-10
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

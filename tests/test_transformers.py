@@ -97,7 +97,9 @@ def _session(rank, world_size, out):
     _quiet()
     results = {"plain": _fit(f"{out}/plain-{world_size}", world_size),
                "checkpointed": _fit(f"{out}/ckpt-{world_size}", world_size, gradient_checkpointing=True),
-               "per_batch_mean": _fit(f"{out}/mean-{world_size}", world_size, loss_kwargs=False)}
+               "per_batch_mean": _fit(f"{out}/mean-{world_size}", world_size, loss_kwargs=False),
+               "reentrant_static": _fit(f"{out}/reentrant-{world_size}", world_size, gradient_checkpointing=True,
+                                        gradient_checkpointing_kwargs='{"use_reentrant": true}', ddp_static_graph=True)}
     if world_size == 2:
         data = Sentences(8, seed=1)
         lm = [{k: torch.stack([data[i][k] for i in range(4 * s, 4 * s + 4)]) for k in data[0]} for s in range(2)]
@@ -134,6 +136,12 @@ def test_without_num_items_in_batch_the_splits_differ(runs):
 def test_gpt2_with_gradient_checkpointing_trains_the_same_model(runs):
     _assert_same_model(runs[1]["checkpointed"], runs[2]["checkpointed"])
     _assert_same_model(runs[1]["plain"], runs[1]["checkpointed"])
+
+
+def test_reentrant_checkpointing_with_ddp_static_graph_trains_the_same_model(runs):
+    # the command line's form: JSON text, as --gradient_checkpointing_kwargs takes it
+    _assert_same_model(runs[1]["plain"], runs[2]["reentrant_static"])
+    _assert_same_model(runs[1]["reentrant_static"], runs[2]["reentrant_static"])
 
 
 def test_tied_embeddings_stay_tied_and_are_averaged_once(runs):

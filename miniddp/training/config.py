@@ -32,6 +32,7 @@ How Hugging Face differs
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field, fields
 
@@ -106,6 +107,8 @@ class TrainingConfig:
         "help": "train on the CPU even where there is a GPU (the backend does not choose the device)"})
     gradient_checkpointing: bool = field(default=False, metadata={
         "help": "recompute activations in backward (model.gradient_checkpointing_enable)"})
+    gradient_checkpointing_kwargs: dict | str | None = field(default=None, metadata={
+        "help": "torch.utils.checkpoint's keywords, JSON: {\"use_reentrant\": true} (then see ddp_static_graph)"})
     torch_compile: bool = field(default=False, metadata={
         "help": "torch.compile the DDP-wrapped model for training, as Accelerate does (docs/ddp.md#torchcompile)"})
     torch_compile_backend: str | None = field(default=None, metadata={
@@ -170,6 +173,7 @@ class TrainingConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {', '.join(allowed)}")
         check_report_to(self.report_to)  # the package too: before any rank starts
+        self.gradient_checkpointing_kwargs = checkpoint_kwargs(self.gradient_checkpointing_kwargs)
         if self.torch_compile_backend is not None:  # Transformers: the backend implies torch_compile
             self.torch_compile = True
         if self.gradient_checkpointing and self.ddp_find_unused_parameters:
@@ -192,6 +196,20 @@ class TrainingConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+def checkpoint_kwargs(value) -> dict | None:
+    """``gradient_checkpointing_kwargs`` as a dict: given as one, or as JSON text (the command line)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"gradient_checkpointing_kwargs={value!r} is not JSON ({err.msg}): write it as "
+                             '{"use_reentrant": true}') from None
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"gradient_checkpointing_kwargs={value!r} must be a dict of torch.utils.checkpoint's "
+                         'keywords, e.g. {"use_reentrant": false}')
+    return value
 
 
 def field_help() -> dict[str, str]:

@@ -35,11 +35,11 @@ from ..engine.ddp import DistributedDataParallel
 from .config import TrainingConfig
 
 
-def enable_gradient_checkpointing(model: torch.nn.Module, broadcast_buffers: bool) -> None:
-    """``model.gradient_checkpointing_enable()`` (Transformers 5: ``activation_checkpointing_enable()``, the
-    same with a new name), as Hugging Face calls it; or why it cannot be done."""
-    enable = getattr(model, "activation_checkpointing_enable", None) or getattr(model, "gradient_checkpointing_enable",
-                                                                               None)
+def enable_gradient_checkpointing(model: torch.nn.Module, broadcast_buffers: bool, keywords=None) -> None:
+    """``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=keywords)`` (Transformers 5:
+    ``activation_checkpointing_enable``, the same with a new name), as Hugging Face calls it; or why it cannot."""
+    new = getattr(model, "activation_checkpointing_enable", None)
+    enable = new or getattr(model, "gradient_checkpointing_enable", None)
     if enable is None:
         raise ValueError(f"gradient_checkpointing=True but {type(model).__name__} has no "
                          "gradient_checkpointing_enable() method (Hugging Face models have one): add it, or "
@@ -48,14 +48,17 @@ def enable_gradient_checkpointing(model: torch.nn.Module, broadcast_buffers: boo
                                  for m in model.modules()):  # constant buffers (BERT's position_ids) are harmless
         raise ValueError("ddp_broadcast_buffers=True with gradient_checkpointing on a model with BatchNorm running "
                          "statistics: set ddp_broadcast_buffers=False")
-    enable()
+    if keywords is None:
+        enable()
+    else:
+        enable(**{"activation_checkpointing_kwargs" if new else "gradient_checkpointing_kwargs": keywords})
 
 
 # --8<-- [start:wrap]
 def prepare_model(model: torch.nn.Module, args: TrainingConfig, device: torch.device):
     """(the model on ``device``, its DDP wrapper, the comm hook's ``(state, hook)`` or None: plain all-reduce)."""
     if args.gradient_checkpointing:
-        enable_gradient_checkpointing(model, args.ddp_broadcast_buffers)
+        enable_gradient_checkpointing(model, args.ddp_broadcast_buffers, args.gradient_checkpointing_kwargs)
     model = model.to(device)  # the unwrapped model: what a checkpoint saves
     ddp = DistributedDataParallel(
         model, device_ids=[device] if device.type == "cuda" else None,

@@ -58,16 +58,29 @@ class Classifier(nn.Module):
         self.body = nn.Sequential(nn.Linear(dim, hidden), norm, nn.ReLU(), nn.Dropout(dropout),
                                   nn.Linear(hidden, hidden), nn.ReLU())
         self.head = nn.Linear(hidden, classes)
-        self.checkpointing = False  # recompute self.body in backward (gradient_checkpointing_enable)
+        self.checkpointing = None  # checkpoint()'s keywords: recompute self.body in backward
 
-    def gradient_checkpointing_enable(self):
-        self.checkpointing = True
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+        self.checkpointing = checkpoint_keywords(gradient_checkpointing_kwargs)
 
     def forward(self, features, labels=None):
-        h = checkpoint(self.body, features, use_reentrant=False) if self.checkpointing and self.training \
+        h = checkpointed(self.body, features, self.checkpointing) if self.checkpointing and self.training \
             else self.body(features)
         logits = self.head(h)
         return {"logits": logits} if labels is None else {"logits": logits, "loss": _mean_loss(logits, labels)}
+
+
+def checkpoint_keywords(given) -> dict:
+    """``torch.utils.checkpoint``'s keywords: non-reentrant unless asked (Transformers 5's default too)."""
+    return {"use_reentrant": False, **(given or {})}
+
+
+def checkpointed(body, h, keywords: dict):
+    """``body(h)``, recomputed in backward. Reentrant checkpointing only differentiates through inputs that
+    require grad, so data going in is made to (Transformers: ``enable_input_require_grads``)."""
+    if keywords["use_reentrant"] and not h.requires_grad:
+        h = h.detach().requires_grad_()
+    return checkpoint(body, h, **keywords)
 
 
 def _sequences(size: int, seed: int):
@@ -93,10 +106,10 @@ class TinyLM(nn.Module):
         self.mix = nn.Linear(2 * dim, dim)
         self.drop = nn.Dropout(dropout)
         self.out = nn.Linear(dim, VOCAB)
-        self.checkpointing = False  # recompute self._body in backward (gradient_checkpointing_enable)
+        self.checkpointing = None  # checkpoint()'s keywords: recompute self._body in backward
 
-    def gradient_checkpointing_enable(self):
-        self.checkpointing = True
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+        self.checkpointing = checkpoint_keywords(gradient_checkpointing_kwargs)
 
     def _body(self, h):
         prev = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1)  # the previous token: causal
@@ -104,7 +117,7 @@ class TinyLM(nn.Module):
 
     def forward(self, input_ids, labels=None):
         h = self.embed(input_ids) + self.pos[: input_ids.shape[1]]
-        h = checkpoint(self._body, h, use_reentrant=False) if self.checkpointing and self.training else self._body(h)
+        h = checkpointed(self._body, h, self.checkpointing) if self.checkpointing and self.training else self._body(h)
         logits = self.out(self.drop(h))
         return {"logits": logits} if labels is None else {"logits": logits, "loss": _mean_loss(logits, labels)}
 

@@ -69,9 +69,13 @@ def _fit(out, world_size, loss_kwargs=True, **overrides):
     args = TrainingConfig(output_dir=out, per_device_train_batch_size=per_device,
                           gradient_accumulation_steps=accumulation, max_steps=3, learning_rate=1e-2,
                           logging_steps=100, disable_tqdm=True, eval_size=0, **overrides)
-    Trainer(model=model, args=args, train_dataset=Sentences()).train()
+    trainer = Trainer(model=model, args=args, train_dataset=Sentences())
+    trainer.train()
     assert model.is_gradient_checkpointing == args.gradient_checkpointing
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if args.torch_compile:  # and the pieces of each graph dynamo captured, and the buckets
+        return state, trainer.compiler.pieces, len(trainer.ddp.bucket_assignment)
+    return state
 
 
 def _side_by_side(rank, make, batches):
@@ -107,6 +111,8 @@ def _session(rank, world_size, out):
                      "labels": data.classes[4 * s:4 * s + 4]} for s, b in enumerate(lm)]
         results["gpt2_ddp"] = _side_by_side(rank, gpt2, lm)
         results["bert_ddp"] = _side_by_side(rank, bert_classifier, classify)
+        results["compiled"] = _fit(f"{out}/compiled", world_size, torch_compile_backend="aot_eager",
+                                   ddp_bucket_cap_mb=0.01)
     return results if rank == 0 else None
 
 
@@ -142,6 +148,12 @@ def test_reentrant_checkpointing_with_ddp_static_graph_trains_the_same_model(run
     # the command line's form: JSON text, as --gradient_checkpointing_kwargs takes it
     _assert_same_model(runs[1]["plain"], runs[2]["reentrant_static"])
     _assert_same_model(runs[1]["reentrant_static"], runs[2]["reentrant_static"])
+
+
+def test_a_compiled_gpt2_is_split_into_one_piece_per_bucket_and_trains_the_same_model(runs):
+    state, pieces, buckets = runs[2]["compiled"]
+    assert buckets > 2 and max(pieces) == buckets  # the transformer's graph; DDP's own Python breaks it elsewhere
+    _assert_same_model(runs[1]["plain"], state)
 
 
 def test_tied_embeddings_stay_tied_and_are_averaged_once(runs):

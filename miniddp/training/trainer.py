@@ -66,8 +66,8 @@ class Trainer(TrainerReporting, TrainerCheckpointing):
         self.env = init_distributed(args.ddp_backend, args.ddp_timeout, device="cpu" if args.use_cpu else None)
         self.device, self.rank, self.world_size = self.env.device, self.env.rank, self.env.world_size
         self.model, self.ddp, self.comm_hook = prepare_model(model, args, self.device)  # self.model: unwrapped
-        backend = DDPOptimizer(self.ddp, args.torch_compile_backend or "inductor")  # one piece per bucket
-        self.forward = torch.compile(self.ddp, backend=backend) if args.torch_compile else self.ddp  # Accelerate's
+        self.compiler = DDPOptimizer(self.ddp, args.torch_compile_backend or "inductor")  # one piece per bucket
+        self.forward = torch.compile(self.ddp, backend=self.compiler) if args.torch_compile else self.ddp  # Accelerate
         seed_per_rank(args.seed, self.rank)  # after the wrap: rank 0's initial weights are everyone's
         self.sampler, self.loader = prepare_dataloader(train_dataset, args, self.rank, self.world_size, self.device,
                                                        data_collator)

@@ -105,8 +105,8 @@ def _session(rank, world_size, out):
                "reentrant_static": _fit(f"{out}/reentrant-{world_size}", world_size, gradient_checkpointing=True,
                                         gradient_checkpointing_kwargs='{"use_reentrant": true}', ddp_static_graph=True)}
     if world_size == 2:
-        data = Sentences(8, seed=1)
-        lm = [{k: torch.stack([data[i][k] for i in range(4 * s, 4 * s + 4)]) for k in data[0]} for s in range(2)]
+        data = Sentences(12, seed=1)
+        lm = [{k: torch.stack([data[i][k] for i in range(4 * s, 4 * s + 4)]) for k in data[0]} for s in range(3)]
         classify = [{"input_ids": b["input_ids"], "attention_mask": b["attention_mask"],
                      "labels": data.classes[4 * s:4 * s + 4]} for s, b in enumerate(lm)]
         results["gpt2_ddp"] = _side_by_side(rank, gpt2, lm)

@@ -26,6 +26,7 @@ HANG_TIMEOUT_S = 15  # the wrong-way ring deadlocks on uneven chunks: the check'
 S, A, B = "tests/test_sharding.py::", "tests/test_averaging.py::", "tests/test_bucketing.py::"
 N, F, H = "tests/test_no_sync.py::", "tests/test_buffers.py::", "tests/test_comm_hooks.py::"
 D, U, J = "tests/test_ddp.py::", "tests/test_unused.py::", "tests/test_join.py::"
+G = "tests/test_static_graph.py::"
 
 # exercise -> (what the learner got wrong, the reference text, what they wrote, the items it must fail)
 MISTAKES = {
@@ -155,6 +156,18 @@ MISTAKES = {
         ("a gradient accumulated under no_sync dropped when the synced step skips the parameter",
          "        return grad, accumulated", "        return None, accumulated", [D + "test_matches_torch_ddp"]),
     ],
+    "static_graph": [
+        ("the calls are not reset at each forward: a parameter is never complete again",
+         "        self.fired = [0] * len(self.names)\n        return [] if", "        return [] if",
+         [G + "test_reentrant_checkpointing_with_static_graph_equals_torch"]),
+        ("the first backward's counts are not learned: every parameter expected once",
+         "            self.expected = list(self.fired)", "            self.expected = [1] * len(self.fired)",
+         [G + "test_reentrant_checkpointing_with_static_graph_equals_torch"]),
+        ("no rank ever says its graph changed: a new gradient is taken silently",
+         "        counts.local += changed + [int(any(changed) and r == self.rank) for r in range(self.world_size)]",
+         "        counts.local += changed + [0] * self.world_size",
+         [G + "test_a_parameter_used_after_the_first_iteration_is_named_on_every_rank"]),
+    ],
     "join": [
         ("a joined rank answers one round and leaves: the others hang",
          "        while True:  # this rank is out of data", "        for _ in range(1):  # this rank is out of data",
@@ -181,7 +194,8 @@ def _write(tmp_path, name, text) -> Path:
 
 def test_every_exercise_has_three_mistakes_and_its_spec_items_exist():
     assert [e.name for e in EXERCISES] == ["sharding", "averaging", "ring", "bucketing", "no_sync", "buffers",
-                                           "compression", "powersgd", "reducer", "unused", "join"]
+                                           "compression", "powersgd", "reducer", "unused", "static_graph",
+                                           "join"]
     for e in EXERCISES:
         assert len(MISTAKES[e.name]) >= 3, e.name
         for test in [item.test for item in e.spec]:

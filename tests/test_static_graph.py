@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 import miniddp
 from miniddp.engine.static_graph import StaticGraphChangedError
+from miniddp.exercise.swap import current
 from miniddp.testing import run_on_ranks
 
 
@@ -109,9 +110,15 @@ def _session(rank, world_size):
     }
 
 
-@pytest.fixture(scope="module")
+_SESSIONS: dict[str, list] = {}  # one two-rank session per implementation (miniddp exercise checks several)
+
+
+@pytest.fixture
 def session():
-    return run_on_ranks(_session, 2, timeout=120)
+    key = current()
+    if key not in _SESSIONS:
+        _SESSIONS[key] = run_on_ranks(_session, 2, timeout=120)
+    return _SESSIONS[key]
 
 
 def test_reentrant_checkpointing_with_static_graph_equals_torch(session):

@@ -67,13 +67,17 @@ class StaticGraph:
     # --8<-- [start:fire]
     def begin(self) -> list[int]:
         """At a synced forward: reset the firings; the parameters to mark unused when backward starts."""
+        ### BEGIN SOLUTION
         self.fired = [0] * len(self.names)
         return [] if self.learning else [i for i, n in enumerate(self.expected) if n == 0]
+        ### END SOLUTION
 
     def fire(self, i: int) -> bool:
         """Parameter i's hook fired: is its gradient complete now? (Never while learning.)"""
+        ### BEGIN SOLUTION
         self.fired[i] += 1
         return not self.learning and self.fired[i] == self.expected[i]
+        ### END SOLUTION
     # --8<-- [end:fire]
 
     def before_finish(self, counts, mark_ready) -> None:
@@ -81,26 +85,35 @@ class StaticGraph:
         first: ``mark_ready(i)`` for each parameter that got a gradient, so all buckets go out now. Every one:
         append the flags to this rank's used ``counts``: per parameter, 1 if its firings differ from the first
         backward's; then per rank, 1 in this rank's own slot if any does."""
+        ### BEGIN SOLUTION
         if self.learning:
             for i in [i for i, n in enumerate(self.fired) if n > 0]:
                 mark_ready(i)
         changed = [0] * len(self.names) if self.learning else [int(f != e) for f, e in zip(self.fired, self.expected)]
         counts.local += changed + [int(any(changed) and r == self.rank) for r in range(self.world_size)]
+        ### END SOLUTION
 
     def end(self, counts: list[int]) -> bool:
         """After the all-reduce: ``counts`` is the used counts, then the summed ``flags``. Learns from the first
-        backward; raises on every rank if a later one differs from it. Returns False (nothing was warned)."""
+        backward (and counts it in ``ended``); raises ``self.changed(...)`` on every rank if a later one differs
+        from it. Returns False (nothing was warned)."""
+        ### BEGIN SOLUTION
         n, self.ended = len(self.names), self.ended + 1
-        params, ranks = counts[n:2 * n], [r for r, f in enumerate(counts[2 * n:]) if f]
         if self.learning:
             self.expected = list(self.fired)
             return False
-        if not ranks:
-            return False
-        names = [self.names[i] for i in range(n) if params[i]]
+        ranks = [r for r, f in enumerate(counts[2 * n:]) if f]
+        if ranks:
+            raise self.changed([i for i in range(n) if counts[n + i]], ranks)
+        return False
+        ### END SOLUTION
+
+    def changed(self, params: list[int], ranks: list[int]) -> StaticGraphChangedError:
+        """The error for parameters ``params`` whose calls changed on ``ranks``, with this rank's own counts."""
+        names = [self.names[i] for i in params]
         here = "".join(f"\n  {self.names[i]}: {self.fired[i]} gradient(s) on this rank, {self.expected[i]} in the "
-                       "first backward" for i in range(n) if self.fired[i] != self.expected[i])
-        raise StaticGraphChangedError(
+                       "first backward" for i in range(len(self.names)) if self.fired[i] != self.expected[i])
+        return StaticGraphChangedError(
             f"static_graph=True, but this backward's gradients differ from the first backward's on rank(s) "
             f"{ranks}: {', '.join(names)}.{here}\nWith static_graph, which parameters get gradients, and how many "
             "times each does, must stay as in the first iteration on every rank. For a graph that changes use "

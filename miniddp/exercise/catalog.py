@@ -39,6 +39,7 @@ _HOOKS = "tests/test_comm_hooks.py::"
 _DDP = "tests/test_ddp.py::"
 _UNUSED = "tests/test_unused.py::"
 _JOIN = "tests/test_join.py::"
+_STATIC = "tests/test_static_graph.py::"
 
 EXERCISES: tuple[Exercise, ...] = (
     Exercise("sharding", "miniddp.by_hand.sharding", ("ShardSampler",), ("ShardSampler",), "sharding.md", (
@@ -152,6 +153,17 @@ EXERCISES: tuple[Exercise, ...] = (
                  "a parameter unused on every rank keeps its .grad untouched"),
         SpecItem(_DDP + "test_matches_torch_ddp",
                  "with parameters unused on some ranks (and under no_sync), equal to torch DDP"),
+    )),
+    Exercise("static_graph", "miniddp.engine.static_graph", ("StaticGraph", "StaticGraphChangedError"),
+             ("StaticGraph", "StaticGraphChangedError"), "unused-parameters.md", (
+        SpecItem(_STATIC + "test_reentrant_checkpointing_with_static_graph_equals_torch",
+                 "a layer checkpointed twice (use_reentrant=True): the gradients of torch's static_graph=True"),
+        SpecItem(_STATIC + "test_buckets_are_rebuilt_from_the_second_backward",
+                 "the buckets are rebuilt from the order of the second backward"),
+        SpecItem(_STATIC + "test_a_parameter_used_after_the_first_iteration_is_named_on_every_rank",
+                 "a parameter that starts getting gradients later: StaticGraphChangedError on every rank"),
+        SpecItem(_STATIC + "test_fewer_hook_calls_than_in_the_first_iteration_are_named_on_every_rank",
+                 "fewer hook calls than in the first backward: the parameters and the rank named everywhere"),
     )),
     Exercise("join", "miniddp.engine.join", ("Join", "exchange_round"), ("Join", "exchange_round"), "join.md", (
         SpecItem(_JOIN + "test_join_matches_torch_ddp_join_on_uneven_inputs",

@@ -111,6 +111,12 @@ def use(value: str) -> None:
         os.environ[ENV] = value  # for the processes this one starts
 
 
+def current() -> str:
+    """The implementation in force: ``"<name>=<file>"``, or ``""`` for the reference. A spec test that
+    computes once for several items keys its cache on it, so each implementation is run, not reused."""
+    return _current[0]
+
+
 def apply_from_env() -> None:
     """Called at the end of ``import miniddp`` when ``MINIDDP_EXERCISE`` is set."""
     use(os.environ[ENV])

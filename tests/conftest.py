@@ -1,6 +1,7 @@
 """Shared test set-up: every multi-rank test goes through ``miniddp.testing``."""
 
 import atexit
+import fcntl
 import os
 import shutil
 import tempfile
@@ -16,6 +17,24 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # HF_HOME: one of the user's own must not change what the suite runs
 os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="miniddp-tests-hf-home-")
 atexit.register(shutil.rmtree, os.environ["HF_HOME"], True)
+
+
+@pytest.fixture(scope="session")
+def once(tmp_path_factory):
+    """``once(name, compute)``: ``compute()`` run by one pytest-xdist worker for the whole session, the
+    others waiting on its lock and reading its result (a module fixture alone would run once per worker
+    that gets one of the module's tests)."""
+    base = tmp_path_factory.getbasetemp()  # under xdist, each worker's is a folder of the session's
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+    def run(name: str, compute):
+        with open(shared / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            result = shared / f"{name}.pt"
+            if not result.exists():
+                torch.save(compute(), result)  # tensors and plain containers
+        return torch.load(result, weights_only=False)
+    return run
 
 
 @pytest.fixture

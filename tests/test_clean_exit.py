@@ -7,7 +7,6 @@ the end-to-end count over many real torchrun runs, with a negative control that 
 when the guard is switched off."""
 
 import collections
-import fcntl
 import json
 import os
 import subprocess
@@ -106,19 +105,10 @@ PLAN = [
 
 
 @pytest.fixture(scope="module")
-def exits(tmp_path_factory):
-    """{form: [(rank 0's status, rank 1's status, stderr), ...]} over every run of the plan.
-
-    Run once per session, whichever xdist worker asks first: the others wait on its lock and read
-    its results (the pytest-xdist recipe for a fixture that must run once)."""
-    base = tmp_path_factory.getbasetemp()  # under xdist, each worker's is a folder of the session's
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    with open(shared / "clean_exit_runs.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        results = shared / "clean_exit_runs.json"
-        if not results.exists():
-            results.write_text(json.dumps(_run_the_plan(tmp_path_factory.mktemp("exits"))))
-    return json.loads(results.read_text())
+def exits(once, tmp_path_factory):
+    """{form: [(rank 0's status, rank 1's status, stderr), ...]} over every run of the plan, run once
+    per session whichever xdist worker asks first (``once``, conftest.py)."""
+    return once("clean_exit_runs", lambda: _run_the_plan(tmp_path_factory.mktemp("exits")))
 
 
 def _run_the_plan(out: Path) -> dict:

@@ -117,9 +117,11 @@ def _session(rank, world_size, out):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hf")
-    return {n: run_on_ranks(_session, n, args=(str(out),), init=False, timeout=240)[0] for n in (1, 2)}
+def runs(once, tmp_path_factory):
+    def both():
+        out = tmp_path_factory.mktemp("hf")
+        return {n: run_on_ranks(_session, n, args=(str(out),), init=False, timeout=240)[0] for n in (1, 2)}
+    return once("transformers_runs", both)  # one session for the suite, whichever worker asks first
 
 
 def _assert_same_model(a, b):

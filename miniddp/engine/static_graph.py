@@ -19,9 +19,10 @@ Why
 How torch differs
     ``reducer.cpp`` does the same (``numGradHooksTriggeredMap_``, ``delay_all_reduce``, enqueued by
     ``_DDPSink``'s backward in ``torch/nn/parallel/distributed.py``) and also rebuilds its buckets
-    from the second backward's order. A changed graph there fails a ``REDUCER_CHECK`` on the rank
-    whose hook fired unexpectedly, or waits forever when a hook does not fire; here the firings are
-    compared after the used-counts all-reduce, so every rank raises at the end of the same backward.
+    from the second backward's order. A changed graph there raises on its own rank only (a
+    ``REDUCER_CHECK`` at the unexpected hook, or at the next forward when a hook did not fire), the
+    others waiting until that process exits; here the firings are compared after the used-counts
+    all-reduce, so every rank raises at the end of the same backward.
 """
 
 from __future__ import annotations

@@ -43,13 +43,15 @@ _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "miniddp"]
 
 
 class RankError(RuntimeError):
-    """A rank raised. ``.rank``, ``.remote_traceback``; ``__cause__`` is the original."""
+    """A rank raised. ``.rank``, ``.remote_traceback``, ``.others``; ``__cause__`` is the original."""
 
-    def __init__(self, rank: int, exc_type: str, remote_traceback: str):
-        super().__init__(f"rank {rank} raised {exc_type}:\n{remote_traceback}")
+    def __init__(self, rank: int, exc_type: str, remote_traceback: str, others=()):
+        then = "".join(f"\nthen rank {r}: {what}" for r, what in others)
+        super().__init__(f"rank {rank} raised {exc_type}:\n{remote_traceback}{then}")
         self.rank = rank  # which rank failed first
         self.exc_type = exc_type  # the name of its exception class
         self.remote_traceback = remote_traceback  # formatted in the child
+        self.others = list(others)  # (rank, what became of it) for the other ranks that did not finish
 
 
 class RankTimeout(RankError, TimeoutError):
@@ -150,8 +152,10 @@ def run_on_ranks(fn, world_size: int, *, args=(), kwargs=None, backend: str = "g
                 else:
                     errors.append((time.monotonic(), rank, payload))
         if errors:
-            _, rank, (exc_type, tb, blob) = min(errors)  # the first failure is usually the cause
-            raise RankError(rank, exc_type, tb) from _unpickle(blob)
+            (_, rank, (exc_type, tb, blob)), *later = sorted(errors, key=lambda e: e[:2])  # the first: the cause
+            others = [(r, p[1] if p[0] == "ProcessExit" else f"raised {p[0]}") for _, r, p in later]
+            others += [(r, f"still running {grace:g} s after: killed") for r in sorted(pending.values())]
+            raise RankError(rank, exc_type, tb, others) from _unpickle(blob)
         if pending:
             raise RankTimeout(sorted(pending.values()), timeout)
         finished = True

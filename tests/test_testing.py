@@ -73,6 +73,27 @@ def test_a_rank_that_dies_without_an_exception_is_reported():
         run_on_ranks(_crash, 2, timeout=30, init=False)
 
 
+def _each_its_own_end(rank, world_size):
+    if rank == 0:
+        raise ValueError("first")
+    time.sleep(0.5)  # after rank 0, within the grace
+    if rank == 1:
+        raise KeyError("second")
+    if rank == 2:
+        os._exit(4)
+    time.sleep(600)  # rank 3: still running when the grace ends
+
+
+def test_the_error_says_what_became_of_every_other_rank():
+    # a crash seen by its peers first (gloo's "Connection closed by peer") is diagnosed by the rank that died
+    with pytest.raises(RankError) as info:
+        run_on_ranks(_each_its_own_end, 4, timeout=60, init=False, grace=3.0)
+    assert info.value.rank == 0 and info.value.exc_type == "ValueError"
+    others = dict(info.value.others)
+    assert others.keys() == {1, 2, 3}
+    assert others[1] == "raised KeyError" and "exited with code 4" in others[2] and "killed" in others[3]
+
+
 def test_fork_runs_functions_that_cannot_be_pickled():
     # notebooks define rank functions in __main__: only fork can run them
     scale = 3

@@ -46,8 +46,8 @@ class RankError(RuntimeError):
     """A rank raised. ``.rank``, ``.remote_traceback``, ``.others``; ``__cause__`` is the original."""
 
     def __init__(self, rank: int, exc_type: str, remote_traceback: str, others=()):
-        then = "".join(f"\nthen rank {r}: {what}" for r, what in others)
-        super().__init__(f"rank {rank} raised {exc_type}:\n{remote_traceback}{then}")
+        then = f" (then {'; '.join(f'rank {r}: {what}' for r, what in others)})" if others else ""
+        super().__init__(f"rank {rank} raised {exc_type}{then}:\n{remote_traceback}")  # last line: the exception
         self.rank = rank  # which rank failed first
         self.exc_type = exc_type  # the name of its exception class
         self.remote_traceback = remote_traceback  # formatted in the child

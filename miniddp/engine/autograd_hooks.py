@@ -1,17 +1,19 @@
 """How the reducer attaches to autograd: one hook per parameter, and the start of a backward.
 
 What
-    ``hook_once(param, fn, owner)`` registers ``fn`` as ``param``'s post-accumulate-grad hook and
-    removes the one an earlier wrapper of the same parameter left, marking that wrapper's reducer
-    ``superseded``. ``on_backward_start(outputs, params, fn)`` calls ``fn()`` when a backward that
-    will accumulate into one of ``params`` reaches the forward's ``outputs``.
+    ``hook_once(param, method, index)`` registers ``method(index, param)`` as ``param``'s
+    post-accumulate-grad hook and removes the one an earlier wrapper of the same parameter left,
+    marking that wrapper's reducer ``superseded``. The parameter holds the reducer weakly: a deleted
+    wrapper's hooks go with it. ``on_backward_start(outputs, params, fn)`` calls ``fn()`` when a
+    backward that will accumulate into one of ``params`` reaches the forward's ``outputs``.
 
 Why
     Wrapping a model again (a notebook cell run twice) must not leave the old reducer reacting
-    to every backward. Knowing at the outputs that a backward started lets the reducer queue its
-    end-of-backward callback and mark the parameters the graph walk found unused before any
-    gradient arrives. A gradient penalty's ``torch.autograd.grad(out, x)`` runs the graph too but
-    fills no ``.grad``: it must not consume the sync that the forward armed.
+    to every backward, nor may a wrapper deleted while its model lives (it warned of gradients
+    "NOT averaged" in a backward of the bare model). Knowing at the outputs that a backward started
+    lets the reducer queue its end-of-backward callback and mark the parameters the graph walk
+    found unused before any gradient arrives. A gradient penalty's ``torch.autograd.grad(out, x)``
+    runs the graph too but fills no ``.grad``: it must not consume the sync that the forward armed.
 
 How torch differs
     ``reducer.cpp`` hooks each parameter's ``AccumulateGrad`` node in C++ and removes its hooks
@@ -32,16 +34,26 @@ from .unused import find_tensors
 _HOOKED: dict[int, tuple] = {}  # id(parameter) -> (weak ref to it, handle of its miniddp hook, weak ref to its Reducer)
 
 
-def hook_once(param, fn, owner):
-    """Register ``fn`` on ``param``, removing the hook an earlier wrapper of the same parameter left.
-    The old owner is marked superseded: its wrapper's next forward raises instead of averaging nothing."""
+def hook_once(param, method, index: int):
+    """Register ``method(index, param)`` (a bound method of a reducer) on ``param``, removing the hook an earlier
+    wrapper of the same parameter left; that reducer is marked superseded: its wrapper's next forward raises
+    instead of averaging nothing. The hook holds the reducer weakly, and the reducer's end removes the hook
+    (torch: ``~Reducer`` removes its autograd hooks)."""
+    owner, weak = method.__self__, weakref.WeakMethod(method)
     old = _HOOKED.get(id(param))
     if old is not None and old[0]() is param:
         old[1].remove()
         previous = old[2]()
         if previous is not None and previous is not owner:
             previous.superseded = True
-    handle = param.register_post_accumulate_grad_hook(fn)
+
+    def hook(p):  # post-accumulate-grad hooks receive the parameter itself
+        bound = weak()
+        if bound is not None:  # None: the wrapper is gone, its finalizer below not yet run
+            bound(index, p)
+
+    handle = param.register_post_accumulate_grad_hook(hook)
+    weakref.finalize(owner, handle.remove)  # a deleted wrapper leaves no hook that would average or warn
     _HOOKED[id(param)] = (weakref.ref(param, lambda _, key=id(param): _HOOKED.pop(key, None)), handle,
                           weakref.ref(owner))
     return handle

@@ -28,6 +28,7 @@ from ..comm_hooks.grad_bucket import check_registration
 from ..process_group.clean_exit import group_or_default
 from ..process_group.fingerprint import issued_as
 from ..process_group.process_info import announce_process
+from . import ownership
 from .auto_bucket import AutoBucketCap
 from .bucketing import bucket_size_limits
 from .buffers import (
@@ -58,6 +59,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         if not dist.is_initialized():
             raise RuntimeError("DistributedDataParallel needs a process group: call "
                                "miniddp.init_distributed() (or torch.distributed.init_process_group) first")
+        ownership.refuse_nested(module, DistributedDataParallel)  # DDP(DDP(m)): one line, not a second reducer
         self.input_device = check_device_ids(module, device_ids)  # forward moves inputs here (torch: the same)
         self.module = module  # the model; its state_dict is what you save
         self._process_group = process_group  # None: the default group, looked up at each use (clean_exit.py)
@@ -72,20 +74,40 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         # --8<-- [start:wrap]
         verify_same_model(module, self.process_group, include_buffers=broadcast_buffers)  # or a clear error
         refuse_sparse_gradients(module)  # our buckets are dense
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]  # tied weights once
+        self._wrapped = ownership.WrappedParameters(module)  # as wrapped: a change is named at the next forward
+        named = self._wrapped.trained()  # (name, parameter) that require grad; tied weights once
         if not named:
             raise ValueError("the module has no parameter with requires_grad=True: there is nothing to average")
         self.device = named[0][1].device  # where small control tensors live (join rounds)
-        self._trained = tuple(p.requires_grad for p in module.parameters())  # requires_grad at wrap
         self._window = ChangedInWindow(named)  # parameters stepped inside a no_sync window: warned
         sync_module_states(module, self.process_group, include_buffers=broadcast_buffers)  # rank 0's state
         announce_process()  # host:pid in the store, so a stall elsewhere can name this rank
-        observers = [o for o in (tracer, self.auto_cap) if o is not None]  # they watch the reducer's events
-        self.reducer = Reducer([p for _, p in named], [n for n, _ in named], process_group, limits,
-                               find_unused_parameters=find_unused_parameters,
-                               gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
-                               observers=observers)
+        self._reducer_args = dict(size_limits=limits, find_unused_parameters=find_unused_parameters,
+                                  gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph)
+        self.reducer = self._build_reducer(tracer)  # hooks on each parameter that requires grad
         # --8<-- [end:wrap]
+
+    def _build_reducer(self, tracer=None) -> Reducer:
+        named = self._wrapped.trained()
+        observers = [o for o in (tracer, self.auto_cap) if o is not None]  # they watch the reducer's events
+        return Reducer([p for _, p in named], [n for n, _ in named], self._process_group, observers=observers,
+                       **self._reducer_args)
+
+    # deepcopy, pickle, torch.save: the copied module with a reducer of its own; copy.copy: an alias (ownership.py)
+    def __deepcopy__(self, memo):
+        return ownership.deep_copy(self, memo)
+
+    def __copy__(self):
+        return ownership.alias(self)
+
+    def __getstate__(self):
+        return ownership.pickled_state(self)
+
+    def __setstate__(self, state):
+        comm_hook = ownership.restored_state(state)
+        super().__setstate__(state)
+        self.reducer = self._build_reducer()  # no collective: built where it is loaded, as torch's __setstate__
+        self.reducer.set_comm_hook(*comm_hook)  # the original's (state, hook); (None, None): the default path
 
     # --8<-- [start:forward]
     def forward(self, *args, **kwargs):
@@ -94,11 +116,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         if not torch.is_grad_enabled():  # evaluation: no buffer broadcast, no rebuild, nothing to sync
             return self.module(*args, **kwargs)
         if self.reducer.superseded:
-            raise WrappedAgainError(
-                "this DistributedDataParallel no longer averages gradients: its model was wrapped again by a newer "
-                "DistributedDataParallel (a notebook cell run twice, or two Trainers on one model), which took its "
-                "gradient hooks. Use the newest wrapper; for two independent ones, wrap a copy (copy.deepcopy(model)).")
-        self._check_requires_grad_unchanged()
+            raise WrappedAgainError(ownership.WRAPPED_AGAIN)
+        self._wrapped.check(self.module)  # the parameters it wrapped, as it wrapped them (ownership.py)
         self._started = True
         divisor = expected = None  # the world size, unless some ranks have joined
         if self.join_context is not None:  # uneven inputs: tell the joined ranks what this iteration does
@@ -138,16 +157,6 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
     def sync_module_states(self, source: int) -> None:
         """Every rank's parameters (and buffers, with ``broadcast_buffers``) become group rank ``source``'s."""
         sync_module_states(self.module, self.process_group, include_buffers=self.broadcast_buffers, src=source)
-
-    def _check_requires_grad_unchanged(self) -> None:
-        now = tuple(p.requires_grad for p in self.module.parameters())
-        if now != self._trained:
-            name, was = next((n, w) for (n, p), w in zip(self.module.named_parameters(), self._trained)
-                             if p.requires_grad != w)
-            raise RuntimeError(
-                f"{name}.requires_grad changed from {was} to {not was} after wrapping: DistributedDataParallel "
-                "chose the parameters it averages when it wrapped the model. Set requires_grad before wrapping "
-                "(to change it mid-training, wrap the model again).")
 
     def no_sync(self):
         """Context manager: accumulate gradients locally; see ``miniddp.engine.no_sync``."""

@@ -1,10 +1,9 @@
 """The reducer: gradient hooks -> buckets launched in order -> the mean in ``.grad``.
 
 What
-    ``prepare_for_backward`` arms the reducer; each parameter's hook copies its gradient into its
-    bucket, divided by N (``_mark_ready``); complete buckets go out in bucket order (``_launch``);
-    after backward, ``_finalize`` waits and writes the means into ``.grad``. The buckets are
-    rebuilt once, in the order gradients arrived (``rebuild``).
+    ``prepare_for_backward`` arms the reducer; each hook's ``_mark_ready`` puts its gradient in its bucket
+    (divided by N without a comm hook, undivided with one); complete buckets go out in bucket order (``_launch``);
+    ``_finalize`` waits and writes the means into ``.grad``. The buckets are rebuilt once, in arrival order.
 
 Why
     A bucket sent while earlier layers still differentiate hides communication behind compute
@@ -81,7 +80,7 @@ class Reducer:
         self.superseded = False  # a later wrapper of the same parameters took their hooks over
         self.static = StaticGraph(self.names, dist.get_rank(self.group), self.world_size) if static_graph else None
         for i, p in enumerate(self.params):
-            hook_once(p, self._make_hook(i), self)
+            hook_once(p, self._hook, i)  # held weakly: a deleted wrapper leaves no hook behind
 
     @property
     def group(self):
@@ -121,21 +120,20 @@ class Reducer:
     # --8<-- [end:prepare]
 
     # --8<-- [start:hook]
-    def _make_hook(self, i: int):
-        def hook(param):  # post-accumulate-grad hooks receive the parameter itself
-            grad = check_dense(param.grad, self.names[i])
-            if grad is not None:
-                self.accumulated.add(i)  # counted even inside no_sync, as torch does
-            if self.backward is None:  # not armed: inside no_sync, or a forward that bypassed DDP
-                self.accumulated.unarmed(self.names[i])  # warned, unless a no_sync forward explains it
-                return
-            self._start_backward()
-            if self.static is not None and not self.static.fire(i):  # static_graph: ready at its last firing
-                return
-            if not self.rebuilt:
-                self.ready_order.append(i)
-            self._mark_ready(i, grad)
-        return hook
+    def _hook(self, i: int, param) -> None:
+        """Parameter ``i``'s post-accumulate-grad hook: its gradient is in ``param.grad``."""
+        grad = check_dense(param.grad, self.names[i])
+        if grad is not None:
+            self.accumulated.add(i)  # counted even inside no_sync, as torch does
+        if self.backward is None:  # not armed: inside no_sync, or a forward that bypassed DDP
+            self.accumulated.unarmed(self.names[i])  # warned, unless a no_sync forward explains it
+            return
+        self._start_backward()
+        if self.static is not None and not self.static.fire(i):  # static_graph: ready at its last firing
+            return
+        if not self.rebuilt:
+            self.ready_order.append(i)
+        self._mark_ready(i, grad)
     # --8<-- [end:hook]
 
     def _mark_unused(self, i: int) -> None:  # no gradient in this backward: what unused_contribution says
@@ -143,6 +141,7 @@ class Reducer:
 
     # --8<-- [start:mark_ready]
     def _mark_ready(self, i: int, grad, used: bool = True) -> None:
+        """Gradient i in its bucket, ready (unused: ``counts.mark_unused``), ``observers.grad_ready``, ``_launch``."""
         state = self.backward
         if state.ready[i]:  # reentrant checkpointing, or a module used in two backward passes
             raise RuntimeError(gradient_twice_message(self.names[i], walk_missed_it=i in state.local_unused))
@@ -194,7 +193,7 @@ class Reducer:
 
     # --8<-- [start:finalize]
     def _finalize(self) -> None:
-        """Autograd callback after backward: finish every bucket, write the results back, check the counts."""
+        """Autograd callback after backward: ``_finish`` the buckets, ``write_back`` each mean, check the counts."""
         state = self.backward
         self.backwards += 1
         try:

@@ -2,7 +2,8 @@
 
 The questionnaire runs in a real pseudo-terminal: answers are typed, wrong ones among them, and
 each wrong one must be explained and asked again. The file it writes is read back by miniddp's
-launcher and by Accelerate's own loader (skipped, with the reason, without Accelerate).
+launcher and by Accelerate's own loader (skipped, with the reason, without Accelerate). The other bad
+answers and places are fed to the questionnaire in this process, through ``input``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import pytest
 import yaml
 
 from miniddp.training.accelerate_config import default_config_file, read_config
+from miniddp.training.config_command import main as config_main
+from miniddp.training.env_command import report
 
 MINIDDP = [sys.executable, "-m", "miniddp.cli"]
 
@@ -92,6 +95,7 @@ def test_default_writes_where_accelerate_looks_never_overwrites_and_launch_reads
     script.write_text("print('hi')\n")
     dry = subprocess.run([*MINIDDP, "launch", "--dry_run", str(script)], env=env, capture_output=True, text=True)
     assert dry.returncode == 0 and str(expected) in dry.stderr
+    assert "ignoring" not in dry.stderr  # Accelerate's `main_training_function: main` is its default, no setting
     assert "--nproc-per-node=3" in dry.stdout.split(), dry.stdout
     # without the file, no notice
     expected.unlink()
@@ -129,3 +133,90 @@ def test_env_names_the_versions_backends_and_the_config_in_use(tmp_path):
     shown = _typed([*MINIDDP, "env", "--config_file", str(cfg)], None, dict(os.environ))  # in a terminal, as typed
     assert "PyTorch version" in shown and "gloo" in shown
     assert str(cfg) in shown and "num_processes: 2" in shown
+
+
+# --- bad answers and places: refused in one line, before the questions; the answers never lost -------------
+
+def _answer(monkeypatch, answers, on_last=None):
+    """``input()`` gives the next of ``answers`` (an exception is raised instead); ``on_last()`` runs as the last
+    one is given. Asking more than was answered fails the test."""
+    pending = list(answers)
+
+    def typed(prompt=""):
+        print(prompt, end="")
+        assert pending, f"asked more than was answered: {prompt}"
+        answer = pending.pop(0)
+        if not pending and on_last:
+            on_last()
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+    monkeypatch.setattr("builtins.input", typed)
+    return pending
+
+
+@pytest.mark.parametrize("where", ["a directory", "a path under a file"])
+def test_a_config_file_that_cannot_be_written_is_refused_before_the_first_question(tmp_path, monkeypatch, capsys,
+                                                                                   where):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "f").write_text("")
+    path = tmp_path / ("d" if where == "a directory" else "f/x.yaml")  # before: IsADirectoryError, FileExistsError
+    _answer(monkeypatch, [])  # no question may be asked
+    assert config_main(["--config_file", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and f"--config_file {path}:" in err, err
+
+
+@pytest.mark.parametrize("hf_home", ["under a file", "/proc"])
+def test_default_with_an_unwritable_hf_home_is_one_line(tmp_path, monkeypatch, capsys, hf_home):
+    # root writes through chmod: a path under a regular file, and /proc (where even root makes no folder)
+    if hf_home == "/proc" and not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc here")
+    (tmp_path / "f").write_text("")
+    home = str(tmp_path / "f" / "hf") if hf_home == "under a file" else f"/proc/self/miniddp-{os.getpid()}"
+    monkeypatch.setenv("HF_HOME", home)
+    assert config_main(["--default"]) == 2  # before: NotADirectoryError / FileNotFoundError, a traceback
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and f"HF_HOME={home}" in err and default_config_file() in err
+
+
+def test_when_the_write_fails_after_the_answers_they_are_printed(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "mine.yaml"
+    _answer(monkeypatch, ["", "1", "", "", ""], on_last=path.mkdir)  # the place turns into a folder meanwhile
+    assert config_main(["--config_file", str(path)]) == 1  # before: IsADirectoryError, the answers lost
+    out, err = capsys.readouterr()
+    assert len(err.splitlines()) == 1 and str(path) in err
+    printed = yaml.safe_load(out[out.rindex("Type its number [0]: ") + len("Type its number [0]: "):])
+    assert (printed["distributed_type"], printed["num_processes"], printed["use_cpu"]) == ("MULTI_CPU", 1, True)
+
+
+def test_numbers_are_ascii_and_bounded_and_the_host_an_address_or_ascii_name(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "two.yaml"
+    not_utf8 = UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")  # a strict terminal, byte 0xff
+    answers = ["", "\u0661", "1",  # the machine type: Arabic-Indic 1 refused, then multi-CPU
+               "99999999999999999999", "\u0662", "2",  # machines: more than torch can number; Arabic-Indic 2
+               not_utf8, "0",  # this machine's rank, after a line that was not UTF-8
+               "1.2.3.\udcff", "1.2.3.400", "10.0.0.1",  # a byte that is not UTF-8 (surrogate-escaped); no address
+               "\u0662\u0669\u0665\u0660\u0660", "",  # the port in Arabic-Indic digits; the default
+               "3", "10000",  # processes: 3 is not a multiple of 2 machines; 10000 on a small machine is allowed
+               ""]  # mixed precision: no
+    pending = _answer(monkeypatch, answers)
+    assert config_main(["--config_file", str(path)]) == 0 and not pending
+    shown = capsys.readouterr().out
+    assert shown.count("try again") == 8, shown
+    cfg = read_config(path)
+    assert {k: cfg[k] for k in ("num_machines", "machine_rank", "main_process_ip", "main_process_port",
+                                "num_processes")} == {"num_machines": 2, "machine_rank": 0,
+                                                      "main_process_ip": "10.0.0.1", "main_process_port": 29500,
+                                                      "num_processes": 10000}
+
+
+def test_a_bad_flag_is_one_line(capsys):
+    with pytest.raises(SystemExit) as stop:
+        config_main(["--num_processes", "2"])  # argparse's usage and its error: two lines before
+    assert stop.value.code == 2 and len(capsys.readouterr().err.splitlines()) == 1
+
+
+def test_env_says_a_config_path_that_is_a_directory_is_one(tmp_path):
+    lines = report(str(tmp_path))  # before: "none at ...", as if there were nothing there
+    assert [line for line in lines if str(tmp_path) in line and "directory" in line], lines

@@ -60,7 +60,8 @@ def test_c10d_rendezvous_when_not_on_the_same_network():
 
 @pytest.mark.parametrize("cfg, message", [
     ({**TWO, "num_processes": 15}, "multiple of num_machines"),
-    ({**TWO, "machine_rank": 2}, "machine_rank=2"),
+    ({**TWO, "machine_rank": 2}, "machine_rank 2 must be < num_machines"),
+    ({**TWO, "num_processes": 2 * 2**22 + 2}, "PID_MAX_LIMIT"),  # more per machine than Linux can hold
     ({**TWO, "main_process_ip": None}, "main_process_ip"),
 ])
 def test_bad_configs_are_explained(cfg, message):
@@ -193,7 +194,7 @@ def test_bad_input_is_one_line_and_status_2(tmp_path, case):
     (["-m", "no_such_package.train"], "no module named no_such_package.train"),
     (["--num_processes", "2"], "name the script to run"),
     (["--config_file", "missing.yaml", "{script}"], "--config_file missing.yaml: No such file"),
-    (["--machine_rank", "1", "{script}"], "machine_rank=1 must be 0 on a one-machine job"),
+    (["--machine_rank", "1", "{script}"], "--machine_rank 1 must be < num_machines (1)"),
     (["--config_file", "{yaml:mixed_precision: fp8}", "{script}"], "mixed_precision: \"fp8\": miniddp supports"),
     (["--config_file", "{yaml:use_cpu: 'yes'}", "{script}"], 'use_cpu: "yes" must be true or false'),
     (["--config_file", "{yaml:num_procs: 2}", "{script}"], "unknown key(s) ['num_procs']"),
@@ -207,6 +208,87 @@ def test_more_bad_input_in_process(tmp_path, script, capsys, argv, message):
     assert main(["launch", *map(fill, argv)]) == 2
     out, err = capsys.readouterr()
     assert out == "" and len(err.splitlines()) == 1 and message in err, err
+
+
+BOMB = "&l0 [1, 1, 1, 1, 1, 1, 1, 1, 1]"  # a billion laughs: 9**8 values in 353 bytes
+for _i in range(1, 8):
+    BOMB = f"&l{_i} [{BOMB}" + f", *l{_i - 1}" * 8 + "]"
+
+
+@pytest.mark.parametrize("argv, field", [  # each ended in a traceback, a hang, a silent skip, or a run
+    (["--config_file", "{yaml:machine_rank: 5}", "--dry_run", "{script}"], "machine_rank"),  # ignored on one machine
+    (["--num_processes", "\u0662", "--dry_run", "{script}"], "--num_processes"),  # int() reads Arabic-Indic digits
+    (["--num_processes", "99999999999999999999", "--dry_run", "{script}"], "--num_processes"),
+    (["--config_file", "{yaml:num_processes: 99999999999999999999}", "--dry_run", "{script}"], "num_processes"),
+    (["--config_file", "{yaml:num_processes: 2024-01-01}", "{script}"], "num_processes"),  # a date: TypeError
+    (["--config_file", "{yaml:mixed_precision: !!binary aGk=}", "{script}"], "mixed_precision"),  # bytes
+    (["--config_file", "{yaml:num_machines: 2\nnum_processes: 2\nmain_process_ip: \"1.2.3.\\udcff\"}",
+      "--dry_run", "{script}"], "main_process_ip"),  # a byte that was not UTF-8: torchrun's 31-line ValueError
+    (["--config_file", "{yaml:gpu_ids: \"\u0662\"}", "--dry_run", "{script}"], "gpu_ids"),
+    (["--config_file", "{yaml:1: 2\nnum_procs: 2}", "{script}"], "line 1"),  # unknown keys sorted: TypeError
+    (["--config_file", "{yaml:? [a, b]\n: 1}", "{script}"], "line 1"),  # an unhashable key: TypeError
+    (["--config_file", "{yaml:distributed_type: [a]}", "{script}"], "distributed_type"),  # TypeError
+    (["--config_file", "{yaml:compute_environment: AMAZON_SAGEMAKER}", "--dry_run", "{script}"],
+     "compute_environment"),  # run here as if local
+    (["--config_file", "{yaml:num_processes: " + BOMB + "}", "{script}"], "line 1"),  # 9**8 values spelt out
+    (["--config_file", "{yaml:num_processes: 2\n" + "#" * 2**21 + "}", "--dry_run", "{script}"], "c.yaml"),
+])
+def test_values_that_ended_later_are_refused_in_one_line(tmp_path, script, capsys, argv, field):
+    def fill(word):
+        if word.startswith("{yaml:"):
+            (tmp_path / "c.yaml").write_text(word[6:-1] + "\n", encoding="utf-8")
+            return str(tmp_path / "c.yaml")
+        return script if word == "{script}" else word
+    assert main(["launch", *map(fill, argv)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and field in err and len(err) < 500, err[:500]
+    if "{yaml:" in argv[1]:
+        assert str(tmp_path / "c.yaml") in err  # the file is named
+
+
+def test_a_machine_rank_out_of_range_is_refused_alike_from_the_yaml_and_the_flag(tmp_path, script, capsys):
+    (tmp_path / "c.yaml").write_text("num_machines: 1\nmachine_rank: 5\n")
+    said = []
+    for argv in (["--config_file", str(tmp_path / "c.yaml")], ["--machine_rank", "3"]):
+        assert main(["launch", "--dry_run", *argv, script]) == 2  # before: the YAML's was ignored
+        said.append(capsys.readouterr().err)
+    assert str(tmp_path / "c.yaml") in said[0]
+    for err, given in zip(said, ("machine_rank: 5", "--machine_rank 3")):
+        assert len(err.splitlines()) == 1 and f"{given} must be < num_machines (1" in err, err
+
+
+def test_a_slurm_node_id_that_is_no_number_is_named(capsys, script, monkeypatch):
+    (Path(script).parent / "two.yaml").write_text(yaml.safe_dump(TWO))
+    monkeypatch.setenv("SLURM_NODEID", "\u0661")  # int() reads it as 1
+    assert main(["launch", "--dry_run", "--config_file", str(Path(script).parent / "two.yaml"), script]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "SLURM_NODEID" in err, err
+
+
+def test_a_default_config_path_that_is_a_directory_is_refused(tmp_path, script, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    (tmp_path / "hf" / "accelerate" / "default_config.yaml").mkdir(parents=True)
+    assert main(["launch", "--dry_run", script]) == 2  # before: skipped without a word, the job run without it
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and str(tmp_path / "hf" / "accelerate" / "default_config.yaml") in err, err
+
+
+@pytest.mark.parametrize("more", [0, 1])
+def test_more_processes_than_cpu_cores_is_warned_about_not_refused(tmp_path, script, capsys, monkeypatch, more):
+    import torch.distributed.run
+
+    from miniddp.training.launch_checks import cpu_cores
+
+    started = []
+    monkeypatch.setattr(torch.distributed.run, "main", started.append)  # torchrun itself is not run
+    for name in ("MINIDDP_MIXED_PRECISION", "MINIDDP_USE_CPU"):  # the launcher sets them in this process
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "cpu.yaml").write_text("distributed_type: MULTI_CPU\nuse_cpu: true\n")
+    count = cpu_cores() + more
+    assert main(["launch", "--config_file", str(tmp_path / "cpu.yaml"), "--num_processes", str(count), script]) == 0
+    assert f"--nproc-per-node={count}" in started[0]
+    said = capsys.readouterr().err.splitlines()
+    assert len(said) == more and all(str(count) in line and str(cpu_cores()) in line for line in said), said
 
 
 def test_an_unquoted_no_is_read_as_mixed_precision_no(tmp_path):

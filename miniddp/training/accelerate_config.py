@@ -2,8 +2,10 @@
 
 What
     ``read_config(path)`` reads the YAML that ``accelerate config`` writes and checks it key by key:
-    unknown keys, other engines (DeepSpeed, FSDP), numbers out of range, a key given twice (with
-    its two line numbers) and a file that is not text are one ``LaunchError`` line each.
+    unknown keys, other engines (DeepSpeed, FSDP), numbers out of range (``launch_checks.py``), a
+    ``machine_rank`` that is not below ``num_machines``, a host that is not an address or an ASCII
+    name, a key given twice (with its two line numbers), YAML anchors and aliases, a file that is not
+    text or is over 1 MiB are one ``LaunchError`` line each.
     ``HONOURED`` lists the keys acted on as ``accelerate launch`` does (``gpu_ids`` sets
     ``CUDA_VISIBLE_DEVICES``, ``num_cpu_threads_per_process`` sets ``OMP_NUM_THREADS``,
     ``rdzv_backend``, ``debug``); ``ignored_settings`` names, once, the keys it reads and does not
@@ -12,7 +14,9 @@ What
 Why
     A setting that is accepted and then dropped without a word is a silent wrong answer: the user
     believes the job runs on GPUs 2 and 3, or with 4 threads per process. YAML itself keeps the
-    last of two equal keys, so a file edited twice silently means its second half.
+    last of two equal keys, so a file edited twice silently means its second half. Aliases let a
+    few hundred bytes stand for billions of values (a "billion laughs"), which an error line that
+    shows the value would then spell out.
 
 How Accelerate differs
     ``accelerate launch`` reads the same file through its own dataclasses
@@ -21,10 +25,11 @@ How Accelerate differs
 
 from __future__ import annotations
 
-import json
 import os
 
 import yaml
+
+from .launch_checks import MAX_PER_MACHINE, MAX_PROCESSES, host, shown
 
 KNOWN_KEYS = {"compute_environment", "distributed_type", "num_processes", "num_machines", "machine_rank",
               "main_process_ip", "main_process_port", "mixed_precision", "same_network", "use_cpu",
@@ -33,13 +38,20 @@ KNOWN_KEYS = {"compute_environment", "distributed_type", "num_processes", "num_m
 DDP_TYPES = {"MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_HPU", "MULTI_MLU", "NO"}  # what miniddp can run
 OTHER_ENGINES = {"deepspeed_config": "DeepSpeed", "fsdp_config": "FSDP", "megatron_lm_config": "Megatron-LM",
                  "DEEPSPEED": "DeepSpeed", "FSDP": "FSDP", "MEGATRON_LM": "Megatron-LM"}  # keys and distributed_types
-WHOLE_NUMBERS = {  # key: (lowest, highest, what to write instead)
-    "num_processes": (1, None, "the total number of processes over all machines, e.g. `num_processes: 2`"),
-    "num_machines": (1, None, "the number of machines, e.g. `num_machines: 1`"),
-    "machine_rank": (0, None, "this machine's index, 0 on the main machine"),
+WHOLE_NUMBERS = {  # key: (lowest, highest, what to write instead); the highest: see launch_checks.py
+    "num_processes": (1, MAX_PROCESSES, "the total number of processes over all machines, e.g. `num_processes: 2`"),
+    "num_machines": (1, MAX_PROCESSES, "the number of machines, e.g. `num_machines: 1`"),
+    "machine_rank": (0, MAX_PROCESSES - 1, "this machine's index, 0 on the main machine"),
     "main_process_port": (1, 65535, "a free TCP port on machine 0, e.g. `main_process_port: 29500`"),
+    "num_cpu_threads_per_process": (1, MAX_PER_MACHINE, "the threads of each process, e.g. 4"),
 }
 MIXED_PRECISION = ("no", "fp16", "bf16")
+MAX_BYTES = 2**20  # a config is a few hundred bytes; a bigger file is the wrong file (or /dev/zero)
+
+
+def default_config_source() -> str:
+    """Which variable ``default_config_file`` came from, for an error line about it."""
+    return next((f"{v}={os.environ[v]}" for v in ("HF_HOME", "XDG_CACHE_HOME") if os.environ.get(v)), "~/.cache")
 
 
 def default_config_file() -> str:
@@ -51,9 +63,10 @@ def default_config_file() -> str:
 
 def write_config(cfg: dict, path: str) -> None:
     """``cfg`` as Accelerate's YAML (its keys sorted, as ``to_yaml_file`` writes them)."""
+    text = yaml.safe_dump(cfg, sort_keys=True)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
-        yaml.safe_dump(cfg, f, sort_keys=True)
+        f.write(text)
 
 
 class LaunchError(ValueError):
@@ -63,8 +76,17 @@ class LaunchError(ValueError):
 def read_config(path) -> dict:
     """An accelerate config file, checked key by key (mixed_precision normalised to a string)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            cfg = yaml.load(f, Loader=_NoDuplicates)  # safe_load's loader, refusing a key given twice
+        with open(path, "rb") as f:
+            data = f.read(MAX_BYTES + 1)  # bounded: a pipe or a device may never end
+        if len(data) > MAX_BYTES:
+            raise LaunchError(f"{path}: over {MAX_BYTES // 2**20} MiB: not an accelerate config (a few lines of "
+                              "`key: value`); check the path")
+        loader = _NoDuplicates(data.decode("utf-8"))  # safe_load's loader, refusing a key given twice
+        loader.name = str(path)
+        try:
+            cfg = loader.get_single_data()
+        finally:
+            loader.dispose()
     except OSError as err:
         raise LaunchError(f"--config_file {path}: {err.strerror}") from None
     except UnicodeDecodeError as err:
@@ -84,38 +106,64 @@ def read_config(path) -> dict:
     unknown = sorted(set(cfg) - KNOWN_KEYS)
     if unknown:
         raise LaunchError(f"{path}: unknown key(s) {unknown}; known: {sorted(KNOWN_KEYS)}")
+    if cfg.get("compute_environment", "LOCAL_MACHINE") != "LOCAL_MACHINE":
+        raise LaunchError(f"{path}: compute_environment: {shown(cfg['compute_environment'])}: miniddp launches on "
+                          "this machine (LOCAL_MACHINE); a cloud job needs `accelerate launch`")
     kind = cfg.get("distributed_type", "MULTI_GPU")
-    if kind not in DDP_TYPES:
-        raise LaunchError(f"{path}: distributed_type: {kind!r}: miniddp runs data-parallel jobs only "
+    if not isinstance(kind, str) or kind not in DDP_TYPES:
+        raise LaunchError(f"{path}: distributed_type: {shown(kind)}: miniddp runs data-parallel jobs only "
                           f"({', '.join(sorted(DDP_TYPES))}); other engines need `accelerate launch`")
     for key, (low, high, fix) in WHOLE_NUMBERS.items():
         value = cfg.get(key)
-        wrong = isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high)
-        if value is not None and wrong:
-            bounds = f"in {low}..{high}" if high else f">= {low}"
-            raise LaunchError(f"{path}: {key}: {json.dumps(value)} must be a whole number {bounds}: set it to {fix}")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high):
+            too_big = isinstance(value, int) and not isinstance(value, bool) and value > high
+            bounds = f"in {low}..{high}" if too_big or key == "main_process_port" else f">= {low}"
+            raise LaunchError(f"{path}: {key}: {shown(value)} must be a whole number {bounds}: set it to {fix}")
+    if cfg.get("machine_rank", 0) >= cfg.get("num_machines", 1):
+        raise LaunchError(machine_rank_error(f"{path}: machine_rank: {cfg['machine_rank']}", cfg))
     if cfg.get("mixed_precision") is False:  # YAML reads an unquoted `no` as false
         cfg["mixed_precision"] = "no"
     if cfg.get("mixed_precision", "no") not in MIXED_PRECISION:
-        raise LaunchError(f"{path}: mixed_precision: {json.dumps(cfg['mixed_precision'])}: "
+        raise LaunchError(f"{path}: mixed_precision: {shown(cfg['mixed_precision'])}: "
                           f"miniddp supports {', '.join(MIXED_PRECISION)}")
     for key in ("use_cpu", "same_network"):
         if not isinstance(cfg.get(key, False), bool):
-            raise LaunchError(f"{path}: {key}: {json.dumps(cfg[key])} must be true or false")
-    if not isinstance(cfg.get("main_process_ip") or "", str):
-        raise LaunchError(f"{path}: main_process_ip: {json.dumps(cfg['main_process_ip'])} must be a host name "
-                          "or address, e.g. `main_process_ip: 10.0.0.1`")
+            raise LaunchError(f"{path}: {key}: {shown(cfg[key])} must be true or false")
+    if cfg.get("main_process_ip") not in (None, ""):  # unset: SLURM's first host, or an error on 2+ machines
+        try:
+            host(cfg["main_process_ip"])
+        except ValueError as err:
+            raise LaunchError(f"{path}: main_process_ip: {shown(cfg['main_process_ip'])} {err}") from None
     _check_honoured(path, cfg)
     return cfg
 
 
+def machine_rank_error(given: str, cfg: dict, source=None) -> str:
+    """The one refusal of a machine rank outside ``0..num_machines-1``, from the YAML or from the flag."""
+    machines = cfg.get("num_machines", 1)
+    return (f"{given} must be < num_machines ({machines}{f', from {source}' if source else ''}): machines are "
+            f"numbered 0..{machines - 1}, 0 on the main machine")
+
+
 class _NoDuplicates(yaml.SafeLoader):
-    """YAML keeps the last of two equal keys without a word; an accelerate config must not."""
+    """YAML keeps the last of two equal keys without a word; an accelerate config must not. Keys are names,
+    and aliases (``*name``) are refused: no accelerate config uses them, and they can multiply a value."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise LaunchError(f"{self.name}: line {mark.line + 1}: a YAML alias (*{self.peek_event().anchor}): an "
+                              "accelerate config has none; write the value out")
+        return super().compose_node(parent, index)
 
     def construct_mapping(self, node, deep=False):
         seen = {}
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, str):
+                what = shown(key) if isinstance(key_node, yaml.ScalarNode) else f"(a {key_node.id})"
+                raise LaunchError(f"{self.name}: line {key_node.start_mark.line + 1}: the key {what} is not a "
+                                  "name: an accelerate config's keys are names like num_processes")
             if key in seen:
                 raise LaunchError(f"{self.name}: key {key!r} is given twice (lines {seen[key]} and "
                                   f"{key_node.start_mark.line + 1}): keep one")
@@ -144,15 +192,12 @@ IGNORED = {
 def _check_honoured(path, cfg: dict) -> None:
     ids = cfg.get("gpu_ids")
     if ids is not None and str(ids).strip().lower() != "all" and not all(
-            part.strip().isdigit() for part in str(ids).split(",")):
-        raise LaunchError(f"{path}: gpu_ids: {json.dumps(ids)} must be `all` or GPU indices like `0,1`")
-    threads = cfg.get("num_cpu_threads_per_process")
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise LaunchError(f"{path}: num_cpu_threads_per_process: {json.dumps(threads)} must be a whole number >= 1")
+            part.strip().isascii() and part.strip().isdigit() for part in str(ids).split(",")):
+        raise LaunchError(f"{path}: gpu_ids: {shown(ids)} must be `all` or GPU indices like `0,1`")
     if cfg.get("rdzv_backend", "static") not in ("static", "c10d"):
-        raise LaunchError(f"{path}: rdzv_backend: {json.dumps(cfg['rdzv_backend'])} must be static or c10d")
+        raise LaunchError(f"{path}: rdzv_backend: {shown(cfg['rdzv_backend'])} must be static or c10d")
     if not isinstance(cfg.get("debug", False), bool):
-        raise LaunchError(f"{path}: debug: {json.dumps(cfg['debug'])} must be true or false")
+        raise LaunchError(f"{path}: debug: {shown(cfg['debug'])} must be true or false")
 
 
 def ignored_settings(cfg: dict) -> list[str]:
@@ -161,5 +206,6 @@ def ignored_settings(cfg: dict) -> list[str]:
         value = cfg.get(key)
         if isinstance(value, dict):  # dynamo_config: {dynamo_backend: NO} is accelerate's "off"
             return str(value.get("dynamo_backend", "NO")).upper() != "NO"
-        return value not in (None, False, "", [], "NO", "no")
+        # accelerate writes main_training_function: main whatever was asked: its default is no setting
+        return value not in (None, False, "", [], "NO", "no") and (key, value) != ("main_training_function", "main")
     return [f"{key} ({why})" for key, why in IGNORED.items() if is_set(key)]

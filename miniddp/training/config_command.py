@@ -5,10 +5,13 @@ What
     compute environment, the kind of machine (no distributed training, multi-CPU, multi-GPU), the
     number of machines and this one's rank, the main process's IP address and port, the number of
     processes, CPU only, mixed precision. Defaults are in brackets; Enter takes them; a bad answer
-    is explained and asked again. It writes Accelerate's YAML to ``F``, or to Accelerate's default
+    is explained and asked again: numbers in the digits 0-9 and within what torch and Linux can run
+    (``launch_checks.py``), the host an IP address or an ASCII name. ``F`` is checked before the first
+    question. It writes Accelerate's YAML to ``F``, or to Accelerate's default
     file (``default_config_file``: ``$HF_HOME/accelerate/default_config.yaml``), which
-    ``miniddp launch`` then reads when given no ``--config_file``. ``--default`` writes what
-    ``accelerate config default`` writes, and never over an existing file.
+    ``miniddp launch`` then reads when given no ``--config_file``; if the write fails even so, the
+    YAML is printed, so that the answers are not lost. ``--default`` writes what ``accelerate config
+    default`` writes, and never over an existing file.
 
 Why
     Both pages the project started from begin with ``accelerate config``, then ``accelerate
@@ -16,17 +19,19 @@ Why
 
 How Accelerate differs
     ``accelerate/commands/config/cluster.py`` asks about many more engines (DeepSpeed, FSDP, TPUs,
-    dynamo) and picks options with the arrow keys; here an option is picked by its number.
+    dynamo) and picks options with the arrow keys; here an option is picked by its number. It reads
+    numbers with ``int`` and finds an unwritable path only when it writes, after the last answer.
 """
 
 from __future__ import annotations
 
-import argparse
-import ipaddress
 import os
 import sys
 
-from .accelerate_config import default_config_file, write_config
+import yaml
+
+from .accelerate_config import default_config_file, default_config_source, write_config
+from .launch_checks import MAX_PER_MACHINE, MAX_PROCESSES, OneLineParser, host, unwritable, whole_number
 
 MACHINE_TYPES = (("No distributed training", "NO"), ("multi-CPU", "MULTI_CPU"), ("multi-GPU", "MULTI_GPU"))
 
@@ -35,7 +40,11 @@ def ask(prompt: str, convert=str, default=None, error: str = ""):
     """Accelerate's ``_ask_field``: Enter takes ``default``; an answer ``convert`` refuses is explained and
     asked again."""
     while True:
-        answer = input(prompt).strip()
+        try:
+            answer = input(prompt).strip()
+        except UnicodeDecodeError:  # a terminal whose encoding is strict UTF-8, and a byte that is not
+            print("that is not UTF-8 text; try again")
+            continue
         if not answer and default is not None:
             return default
         try:
@@ -48,14 +57,18 @@ def ask_option(question: str, options, default: int = 0) -> int:
     print(question)
     for i, option in enumerate(options):
         print(f" [{i}] {option}")
-    return ask(f"Type its number [{default}]: ", lambda a: _in_range(int(a), 0, len(options) - 1), default,
+    return ask(f"Type its number [{default}]: ", _number(0, len(options) - 1), default,
                f"type a number from 0 to {len(options) - 1}")
 
 
-def _in_range(value: int, low: int, high: int | None = None) -> int:
-    if value < low or (high is not None and value > high):
-        raise ValueError(f"{value} is out of range")
-    return value
+def _number(low: int, high: int, multiple_of: int = 1):
+    """A whole number in ``low..high`` (digits 0-9), a multiple of ``multiple_of``, as ``ask`` converts."""
+    def convert(answer: str) -> int:
+        value = whole_number(answer, low, high)
+        if value % multiple_of:
+            raise ValueError(f"{value} is not a multiple of {multiple_of}")
+        return value
+    return convert
 
 
 def _yes_no(answer: str) -> bool:
@@ -66,15 +79,6 @@ def _yes_no(answer: str) -> bool:
     raise ValueError("answer yes or no")
 
 
-def _host(answer: str) -> str:
-    try:
-        ipaddress.ip_address(answer)
-    except ValueError:
-        if not answer or " " in answer:
-            raise ValueError("type the main machine's IP address (or host name), e.g. 10.0.0.1") from None
-    return answer
-
-
 # --8<-- [start:questions]
 def questionnaire() -> dict:
     """The answers, as Accelerate's config keys."""
@@ -82,27 +86,28 @@ def questionnaire() -> dict:
     kind = MACHINE_TYPES[ask_option("Which type of machine are you using?", [name for name, _ in MACHINE_TYPES])][1]
     cfg = {"compute_environment": "LOCAL_MACHINE", "distributed_type": kind, "num_machines": 1, "machine_rank": 0}
     if kind != "NO":
-        whole = "type a whole number, 1 or more"
         cfg["num_machines"] = ask("How many different machines will you use (use more than 1 for multi-node "
-                                  "training)? [1]: ", lambda a: _in_range(int(a), 1), 1, whole)
+                                  "training)? [1]: ", _number(1, MAX_PROCESSES), 1,
+                                  f"type a whole number from 1 to {MAX_PROCESSES} (torch numbers ranks with C ints)")
     if cfg["num_machines"] > 1:
         last = cfg["num_machines"] - 1
         cfg["machine_rank"] = ask(f"What is the rank of this machine (0 to {last})? [0]: ",
-                                  lambda a: _in_range(int(a), 0, last), 0, f"type a whole number from 0 to {last}")
+                                  _number(0, last), 0, f"type a whole number from 0 to {last}")
         cfg["main_process_ip"] = ask("What is the IP address of the machine that will host the main process? ",
-                                     _host)
+                                     host, None, "type the main machine's IP address or ASCII host name, e.g. 10.0.0.1")
         cfg["main_process_port"] = ask("What is the port you will use to communicate with the main process? "
-                                       "[29500]: ", lambda a: _in_range(int(a), 1, 65535), 29500,
-                                       "type a port number from 1 to 65535")
+                                       "[29500]: ", _number(1, 65535), 29500, "type a port number from 1 to 65535")
         cfg["same_network"] = True
     cfg["use_cpu"] = kind == "MULTI_CPU" or ask(
         "Do you want to run your training on CPU only (even if a GPU is available)? [yes/NO]: ", _yes_no, False)
     if kind == "NO":
         cfg["num_processes"] = 1
     else:
-        per = cfg["num_machines"]
+        # as many on every machine, and no more than Linux holds on one (more than its cores: launch says so)
+        per, most = cfg["num_machines"], min(MAX_PROCESSES, cfg["num_machines"] * MAX_PER_MACHINE)
         cfg["num_processes"] = ask(f"How many processes in total will you use (over all machines)? [{per}]: ",
-                                   lambda a: _in_range(int(a), 1), per, "type a whole number, 1 or more")
+                                   _number(per, most, per), per, f"type a multiple of {per} (as many on each "
+                                   f"machine) from {per} to {most} (at most {MAX_PER_MACHINE} per machine)")
     precisions = ["no", "fp16", "bf16"]
     cfg["mixed_precision"] = precisions[ask_option("Do you wish to use mixed precision?", precisions)]
     return {**cfg, "debug": False, "downcast_bf16": "no", "main_training_function": "main",
@@ -122,14 +127,22 @@ def basic_config(mixed_precision: str = "no") -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="miniddp config", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="miniddp config", description=__doc__.splitlines()[0])
     parser.add_argument("--config_file", metavar="F", help=f"where to write (default: {default_config_file()})")
     parser.add_argument("--default", action="store_true", help="write the basic config without asking "
                         "(as `accelerate config default`); never over an existing file")
     parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default="no",
                         help="with --default: the mixed precision to write")
     args = parser.parse_args(argv)
-    path = args.config_file or default_config_file()
+    path = default_config_file() if args.config_file is None else args.config_file
+    problem = unwritable(path)  # before the questions: the answers are not typed for nothing
+    if problem:
+        where, fix = ((f"--config_file {path}", "name a YAML file in a folder you can write")
+                      if args.config_file is not None else
+                      (f"{path} (the default config file, from {default_config_source()})",
+                       "set HF_HOME to a folder you can write, or pass --config_file F"))
+        print(f"miniddp config: error: {where}: {problem}: {fix}", file=sys.stderr)
+        return 2
     if args.default:
         if os.path.exists(path):
             print(f"miniddp config: {path} exists: not overwritten (run `miniddp config` to answer the "
@@ -142,6 +155,12 @@ def main(argv=None) -> int:
         except (EOFError, KeyboardInterrupt):
             print("\nminiddp config: stopped; nothing written", file=sys.stderr)
             return 1
-    write_config(cfg, path)
+    try:
+        write_config(cfg, path)
+    except OSError as err:  # the place changed during the questions, or the disk is full: keep the answers
+        print(f"miniddp config: error: could not write {path} ({err.strerror or err}); the configuration is "
+              "below: save it as a .yaml file and pass it with --config_file F", file=sys.stderr, flush=True)
+        print(yaml.safe_dump(cfg, sort_keys=True), end="")
+        return 1
     print(f"miniddp configuration saved at {path}")
     return 0

@@ -4,7 +4,8 @@ What
     Versions (miniddp, Python, torch and its CUDA, Accelerate and Transformers if installed), the
     platform, the process-group backends this torch can create, the devices (CPU cores, memory,
     each GPU), and the config in use: ``--config_file F``, else Accelerate's default file (the one
-    ``miniddp launch`` would read), printed in full, or where it would be.
+    ``miniddp launch`` would read), printed (its first 4 KiB), or where it would be, or why it
+    cannot be read.
 
 Why
     "It hangs on my machine" is answerable only with the machine: the backend and device a run
@@ -17,12 +18,14 @@ How Accelerate differs
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import os
 import platform
 
-from .accelerate_config import default_config_file
+from .accelerate_config import MAX_BYTES, default_config_file
+from .launch_checks import OneLineParser
+
+MAX_SHOWN = 4096  # bytes of the config shown: a config is a few hundred; a report is pasted into an issue
 
 
 def _version(package: str) -> str:
@@ -61,17 +64,28 @@ def report(config_file: str | None = None) -> list[str]:
         f"- CPU cores: {os.cpu_count()}; memory: {_memory_gib()}",
         f"- GPUs: {'; '.join(gpus) if gpus else 'none (CUDA available: ' + str(torch.cuda.is_available()) + ')'}",
     ]
-    if os.path.isfile(path):
-        lines.append(f"- Config file in use: {path}")
-        with open(path, encoding="utf-8", errors="replace") as f:
-            lines += [f"\t{line.rstrip()}" for line in f if line.strip()]
-    else:
-        lines.append(f"- Config file: none at {path} (`miniddp config` writes one)")
-    return lines
+    return lines + _config_lines(path)
+
+
+def _config_lines(path: str) -> list[str]:
+    """The config file, shown as text (bounded: a report is pasted), or what stands in its place."""
+    if os.path.isdir(path):  # miniddp launch refuses it: the report says so rather than "none"
+        return [f"- Config file: {path} is a directory, not a file (`miniddp launch` refuses it)"]
+    if not os.path.lexists(path):
+        return [f"- Config file: none at {path} (`miniddp config` writes one)"]
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_BYTES + 1)
+    except OSError as err:
+        return [f"- Config file: {path} cannot be read ({err.strerror})"]
+    text = data[:MAX_SHOWN].decode("utf-8", errors="replace")
+    cut = [f"\t... ({'over ' * (len(data) > MAX_BYTES)}{len(data)} bytes; the first {MAX_SHOWN} shown)"]
+    return ([f"- Config file in use: {path}"] + [f"\t{line.rstrip()}" for line in text.splitlines() if line.strip()]
+            + (cut if len(data) > MAX_SHOWN else []))
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="miniddp env", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="miniddp env", description=__doc__.splitlines()[0])
     parser.add_argument("--config_file", metavar="F", help=f"the config to show (default: {default_config_file()})")
     args = parser.parse_args(argv)
     print("Copy-and-paste the text below in your bug report.\n")

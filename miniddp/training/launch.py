@@ -13,7 +13,8 @@ What
 Why
     The YAML is how TRL and Accelerate users describe jobs (TRL's multi-node page), and
     ``accelerate launch`` is the command they type. A bad file or flag is one line naming the
-    key and the fix, exit status 2; a failed worker's exit status is the launcher's.
+    key and the fix, exit status 2 (a default config path that is a directory too, rather than
+    skipped); a failed worker's exit status is the launcher's.
 
 How Accelerate differs
     ``accelerate launch`` (``accelerate/commands/launch.py``) parses the same way, with many
@@ -29,7 +30,15 @@ import shlex
 import signal
 import sys
 
-from .accelerate_config import LaunchError, default_config_file, ignored_settings, read_config
+from .accelerate_config import (
+    LaunchError,
+    default_config_file,
+    default_config_source,
+    ignored_settings,
+    machine_rank_error,
+    read_config,
+)
+from .launch_checks import MAX_PROCESSES, whole_number
 from .torchrun_args import before_launch, default_num_processes, script_env, torchrun_args, train_flags
 
 USAGE = "miniddp launch [options] script.py|-m module [args...]"
@@ -65,11 +74,15 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
 # --8<-- [end:split]
 
 
-def _whole(low: int, fix: str):
+def _whole(low: int, high: int, fix: str):
     def parse(text: str) -> int:
-        if not text.lstrip("-").isdigit() or int(text) < low:
-            raise argparse.ArgumentTypeError(f"{text} must be a whole number >= {low}: give {fix}")
-        return int(text)
+        try:
+            return whole_number(text, low, high)
+        except ValueError:  # ASCII digits only: int() also reads '٢'
+            if text.isdigit() and not text.isascii():
+                raise argparse.ArgumentTypeError(f"{text} must be written in the digits 0-9: give {fix}") from None
+            bounds = f"in {low}..{high}" if text.isdigit() else f">= {low}"
+            raise argparse.ArgumentTypeError(f"{text} must be a whole number {bounds}: give {fix}") from None
     return parse
 
 
@@ -83,9 +96,10 @@ def _parser() -> argparse.ArgumentParser:
                             description="Run a script on N processes with torchrun, as `accelerate launch` does.")
     add = parser.add_argument
     add("--config_file", metavar="F", help="an accelerate config YAML (num_processes, num_machines, ...)")
-    add("--num_processes", metavar="N", type=_whole(1, "the total over all machines, e.g. --num_processes 2"),
+    add("--num_processes", metavar="N", type=_whole(1, MAX_PROCESSES, "the total over all machines, e.g. "
+                                                                       "--num_processes 2"),
         help="total over all machines (default: the YAML's, else one per GPU, else 2 on the CPU)")
-    add("--machine_rank", metavar="R", type=_whole(0, "this machine's index, 0 on the main one"),
+    add("--machine_rank", metavar="R", type=_whole(0, MAX_PROCESSES - 1, "this machine's index, 0 on the main one"),
         help="this machine's index; overrides the YAML and SLURM_NODEID")
     add("--dry_run", action="store_true", help="print the torchrun command and exit")
     return parser
@@ -103,10 +117,17 @@ def launch_command(argv: list[str]) -> tuple[list[str], dict, bool]:
         hint = "" if target[0].endswith(".py") else f"; to run a module: `miniddp launch -m {target[0]}`"
         raise LaunchError(f"no such script: {target[0]} (paths are relative to {os.getcwd()}){hint}")
     notices = []
-    if not args.config_file and os.path.isfile(default_config_file()):  # as `accelerate launch` does
-        args.config_file = default_config_file()
+    default = default_config_file()
+    if args.config_file is None and os.path.lexists(default):  # as `accelerate launch` does
+        if not os.path.isfile(default):  # accelerate skips it without a word, and the job runs without its config
+            raise LaunchError(f"{default} (the default config file, from {default_config_source()}) is "
+                              f"{'a directory' if os.path.isdir(default) else 'not a regular file'}: "
+                              "remove it, or pass --config_file F")
+        args.config_file = default
         notices.append(f"using {args.config_file} (the default config file; --config_file F for another)")
-    cfg = read_config(args.config_file) if args.config_file else {}
+    cfg = read_config(args.config_file) if args.config_file is not None else {}
+    if args.machine_rank is not None and args.machine_rank >= cfg.get("num_machines", 1):
+        raise LaunchError(machine_rank_error(f"--machine_rank {args.machine_rank}", cfg, args.config_file))
     if args.num_processes:
         cfg["num_processes"] = args.num_processes
     why = None

@@ -7,7 +7,8 @@ What
     arguments: ``--standalone`` on one machine, fixed node ranks (static rendezvous) or c10d
     rendezvous on several. ``script_env`` carries the config's settings to any script as
     environment variables, ``train_flags`` as flags to ``-m miniddp.train``. ``before_launch``
-    says what a multi-machine job waits for, and refuses a main port already taken.
+    says what a multi-machine job waits for, refuses a main port already taken, and warns when
+    a CPU job runs more processes on this machine than it has cores (slower, but allowed).
 
 Why
     The classic multi-node trap is the fixed ``machine_rank`` in that file: under SLURM every
@@ -28,7 +29,8 @@ import os
 import socket
 
 from ..process_group.slurm import parse_slurm_nodelist
-from .accelerate_config import LaunchError
+from .accelerate_config import LaunchError, machine_rank_error
+from .launch_checks import MAX_PER_MACHINE, MAX_PROCESSES, cpu_cores, whole_number
 
 
 # --8<-- [start:torchrun_args]
@@ -40,9 +42,12 @@ def torchrun_args(cfg: dict, environ=None, machine_rank: int | None = None) -> l
         raise LaunchError(f"num_processes={total} must be a positive multiple of num_machines={machines} "
                           "(num_processes counts processes over all machines)")
     per_node = total // machines
+    if per_node > MAX_PER_MACHINE:
+        raise LaunchError(f"num_processes={total} over num_machines={machines} is {per_node} per machine: more than "
+                          f"Linux can hold at once (PID_MAX_LIMIT {MAX_PER_MACHINE}); use more machines or fewer")
     if machines == 1:
         if machine_rank:
-            raise LaunchError(f"machine_rank={machine_rank} must be 0 on a one-machine job (num_machines=1)")
+            raise LaunchError(machine_rank_error(f"machine_rank {machine_rank}", cfg))
         return ["--standalone", f"--nproc-per-node={per_node}"]  # loopback, a free port
     machine_rank, host, port = meeting_point(cfg, environ, machine_rank)
     args = [f"--nnodes={machines}", f"--nproc-per-node={per_node}"]
@@ -57,10 +62,15 @@ def meeting_point(cfg: dict, environ=None, machine_rank: int | None = None) -> t
     """(this machine's rank, the main machine's host, its port) of a job on several machines."""
     env = os.environ if environ is None else environ
     machines = int(cfg.get("num_machines", 1))
-    if machine_rank is None:  # under SLURM the node's own id wins over a fixed machine_rank
-        machine_rank = int(env["SLURM_NODEID"]) if "SLURM_NODEID" in env else int(cfg.get("machine_rank", 0))
+    if machine_rank is None and "SLURM_NODEID" in env:  # under SLURM the node's own id wins over a fixed one
+        try:
+            machine_rank = whole_number(env["SLURM_NODEID"], 0, MAX_PROCESSES)
+        except ValueError as err:
+            raise LaunchError(f"SLURM_NODEID={env['SLURM_NODEID']!r}: {err}: unset it, or pass --machine_rank R") \
+                from None
+    machine_rank = int(cfg.get("machine_rank", 0)) if machine_rank is None else machine_rank
     if not 0 <= machine_rank < machines:
-        raise LaunchError(f"machine_rank={machine_rank} must be in [0, num_machines={machines})")
+        raise LaunchError(machine_rank_error(f"machine_rank {machine_rank}", cfg))
     host = cfg.get("main_process_ip")
     if not host and (env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")):
         host = parse_slurm_nodelist(env.get("SLURM_JOB_NODELIST") or env["SLURM_NODELIST"])[0]
@@ -119,8 +129,9 @@ def before_launch(cfg: dict, machine_rank: int | None) -> list[str]:
     """What a multi-machine job says before it waits (else it is silent for up to 10 minutes); and, on
     the main machine of a static job, a refusal if its port is already taken (else a traceback)."""
     machines = int(cfg.get("num_machines", 1))
+    said = oversubscribed(cfg)
     if machines == 1:
-        return []
+        return said
     rank, host, port = meeting_point(cfg, machine_rank=machine_rank)
     if rank == 0 and static_rendezvous(cfg):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
@@ -130,5 +141,19 @@ def before_launch(cfg: dict, machine_rank: int | None) -> list[str]:
             except OSError as err:
                 raise LaunchError(f"main_process_port {port} is already in use on this machine ({err.strerror}): "
                                   "another job holds it; choose another main_process_port (on every machine)")
-    return [f"machine {rank} of {machines}: waiting at {host}:{port} for the other {machines - 1} machine(s) to "
-            f"start, for up to {RENDEZVOUS_TIMEOUT_S} s (torchrun's rendezvous timeout)"]
+    return said + [f"machine {rank} of {machines}: waiting at {host}:{port} for the other {machines - 1} machine(s) "
+                   f"to start, for up to {RENDEZVOUS_TIMEOUT_S} s (torchrun's rendezvous timeout)"]
+
+
+def oversubscribed(cfg: dict) -> list[str]:
+    """A warning, not a refusal, when a CPU job puts more processes on this machine than it has cores: they
+    take turns on the cores (and each collective waits for the slowest), which is legal, and slow."""
+    per_node, cores = int(cfg["num_processes"]) // int(cfg.get("num_machines", 1)), cpu_cores()
+    if per_node <= cores:
+        return []
+    import torch
+
+    if not cfg.get("use_cpu") and torch.cuda.device_count():  # a GPU job: the cores only feed the GPUs
+        return []
+    return [f"warning: {per_node} processes on this machine's {cores} CPU core(s) (num_processes per machine): "
+            f"oversubscribed, they will take turns, slower; at most {cores} per machine avoids it"]

@@ -131,8 +131,22 @@ def parse_config(argv=None) -> TrainingConfig:
     args = build_parser().parse_args(argv)
     try:
         return TrainingConfig(**vars(args))
-    except (ValueError, TypeError) as err:
-        raise SystemExit(fail(f"--{str(err).split('=')[0].split()[0]}: {err}", BAD_FLAG)) from None
+    except (ValueError, TypeError) as err:  # the config's errors start with the field's name
+        name = re.match(r"\w*", str(err)).group()
+        raise SystemExit(fail(f"--{name}: {err}" if name in TrainingConfig.field_names() else err, BAD_FLAG)) from None
+
+
+def backend_not_installed(err: Exception, config: TrainingConfig) -> str | None:
+    """The line for a registered ``torch.compile`` backend whose package is missing (``tvm``, ``openxla``):
+    torch says so only when the first forward compiles, the same on every rank. None for any other error."""
+    if not config.torch_compile:
+        return None
+    from torch._dynamo.exc import BackendCompilerFailed  # noqa: PLC0415 - imported already: the model compiled
+
+    if not (isinstance(err, BackendCompilerFailed) and isinstance(err.inner_exception, ImportError)):
+        return None
+    backend = config.torch_compile_backend or "inductor"
+    return f"--torch_compile_backend {backend} cannot run here: {err.inner_exception}"
 
 
 def main(argv=None) -> dict:
@@ -159,6 +173,11 @@ def main(argv=None) -> dict:
         raise SystemExit(fail(err, DIVERGED)) from None
     except StalledRankError as err:  # a peer stalled, died or is cut off: named by naming_stalled_ranks
         raise SystemExit(fail(err, PEER_LOST, every_rank=True)) from None
+    except Exception as err:
+        missing = backend_not_installed(err, config)
+        if missing is None:
+            raise
+        raise SystemExit(fail(missing, CANNOT_START)) from None
     if trainer.rank == 0:
         shown = {k: v for k, v in metrics.items() if k != "log_history"}
         print("final: " + ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items()))

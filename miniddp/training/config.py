@@ -5,7 +5,11 @@ What
     names ``transformers.TrainingArguments`` and TRL use
     (``per_device_train_batch_size``, ``gradient_accumulation_steps``,
     ``ddp_bucket_cap_mb``, ``ddp_find_unused_parameters``, ...). Validation runs
-    at construction and names the field and the fix. ``effective_batch_size``
+    at construction and names the field and the fix; it checks types too (the
+    string ``"false"`` is true), and the values torch reads only at the first
+    step: ``torch_compile_backend`` and ``gradient_checkpointing_kwargs``
+    (``config_checks.py``). A ``Path`` or ``timedelta`` becomes the ``str`` or
+    seconds that ``metrics.json`` records. ``effective_batch_size``
     is the nominal samples per optimizer step (the Trainer reports what a step
     really consumed: ``epoch.py``), the number comparisons of runs hold constant.
 
@@ -32,14 +36,17 @@ How Hugging Face differs
 
 from __future__ import annotations
 
-import json
 import math
+import numbers
+import os
 from dataclasses import asdict, dataclass, field, fields
+from datetime import timedelta
 
 from ..comm_hooks import COMM_HOOKS
 from ..engine.bucketing import check_bucket_cap_mb
 from ..process_group.backend import valid_backend_names
 from ..process_group.timeouts import DEFAULT_TIMEOUT_S, as_timedelta
+from .config_checks import check_compile_backend, checkpoint_kwargs
 from .report_to import REPORT_TO, check_report_to
 
 MIXED_PRECISION = ("no", "bf16", "fp16")
@@ -132,6 +139,19 @@ class TrainingConfig:
 
     # --8<-- [start:validate]
     def validate(self) -> None:
+        # a Path and a timedelta become what metrics.json can hold (it records the config)
+        for name in ("output_dir", "resume_from_checkpoint"):
+            if isinstance(getattr(self, name), os.PathLike):
+                setattr(self, name, os.fspath(getattr(self, name)))
+        if isinstance(self.ddp_timeout, timedelta):
+            self.ddp_timeout = self.ddp_timeout.total_seconds()
+        for f in fields(self):  # then the types: "false" is truthy, and "1e-3" (YAML's string) has no "<"
+            value = getattr(self, f.name)
+            if f.type in ("bool", bool) and not isinstance(value, bool):
+                raise ValueError(f"{f.name}={value!r} must be True or False")
+            if f.type in ("float", float) and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+                raise ValueError(f"{f.name}={value!r} must be a number")
+
         def positive_int(name):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -140,7 +160,8 @@ class TrainingConfig:
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                      "logging_steps", "dataset_size", "ddp_comm_powersgd_rank"):
             positive_int(name)
-        if not isinstance(self.max_steps, int) or (self.max_steps < 1 and self.max_steps != -1):
+        if isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int) or \
+                (self.max_steps < 1 and self.max_steps != -1):
             raise ValueError(f"max_steps={self.max_steps!r} must be >= 1, or -1 to train for num_train_epochs")
         if self.max_steps == -1 and not (self.num_train_epochs > 0 and math.isfinite(self.num_train_epochs)):
             raise ValueError(f"num_train_epochs={self.num_train_epochs!r} must be > 0 (or set max_steps)")
@@ -155,17 +176,27 @@ class TrainingConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}={value!r} must be an integer >= 0 (0 disables it)")
-        if self.save_total_limit is not None and self.save_total_limit < 1:
-            raise ValueError(f"save_total_limit={self.save_total_limit!r} must be >= 1, or None to keep all")
+        limit = self.save_total_limit
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"save_total_limit={limit!r} must be an integer >= 1, or None to keep all")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed={self.seed!r} must be an integer in 0..{MAX_SEED} (2**32 - 1: numpy's range, "
                              "which Hugging Face's set_seed needs too)")
         for name in ("output_dir", "resume_from_checkpoint"):
-            if getattr(self, name) is not None and not str(getattr(self, name)).strip():
-                raise ValueError(f"{name}={getattr(self, name)!r} is empty: name a directory"
-                                 + (" (or 'latest'; leave it unset to start fresh)" if name != "output_dir" else ""))
+            value = getattr(self, name)
+            fix = "" if name == "output_dir" else " (or 'latest'; leave it unset to start fresh)"
+            if value is None and name != "output_dir":
+                continue
+            if not isinstance(value, str):
+                raise ValueError(f"{name}={value!r} must be a directory's path{fix}")
+            if not value.strip():
+                raise ValueError(f"{name}={value!r} is empty: name a directory{fix}")
         check_bucket_cap_mb(self.ddp_bucket_cap_mb, "ddp_bucket_cap_mb")
-        as_timedelta(self.ddp_timeout, name="ddp_timeout")
+        try:
+            as_timedelta(self.ddp_timeout, name="ddp_timeout")
+        except OverflowError:  # past timedelta's ~2.7 million years
+            raise ValueError(f"ddp_timeout={self.ddp_timeout!r} is more seconds than a timedelta holds "
+                             f"({timedelta.max.total_seconds():.3g}): use e.g. ddp_timeout=1800") from None
         if not isinstance(self.ddp_comm_powersgd_start_iter, int) or self.ddp_comm_powersgd_start_iter < 2:
             raise ValueError(f"ddp_comm_powersgd_start_iter={self.ddp_comm_powersgd_start_iter!r} must be an integer "
                              ">= 2: PowerSGD keeps its memories per bucket, and DDP rebuilds the buckets after step 1")
@@ -174,6 +205,7 @@ class TrainingConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {', '.join(allowed)}")
         check_report_to(self.report_to)  # the package too: before any rank starts
         self.gradient_checkpointing_kwargs = checkpoint_kwargs(self.gradient_checkpointing_kwargs)
+        check_compile_backend(self.torch_compile_backend)  # config_checks.py: torch's own names, cheaply
         if self.torch_compile_backend is not None:  # Transformers: the backend implies torch_compile
             self.torch_compile = True
         if self.gradient_checkpointing and self.ddp_find_unused_parameters:
@@ -196,20 +228,6 @@ class TrainingConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
-
-
-def checkpoint_kwargs(value) -> dict | None:
-    """``gradient_checkpointing_kwargs`` as a dict: given as one, or as JSON text (the command line)."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"gradient_checkpointing_kwargs={value!r} is not JSON ({err.msg}): write it as "
-                             '{"use_reentrant": true}') from None
-    if value is not None and not isinstance(value, dict):
-        raise ValueError(f"gradient_checkpointing_kwargs={value!r} must be a dict of torch.utils.checkpoint's "
-                         'keywords, e.g. {"use_reentrant": false}')
-    return value
 
 
 def field_help() -> dict[str, str]:

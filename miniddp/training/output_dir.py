@@ -6,10 +6,11 @@ What
     ends), refuses a directory that holds another run's results unless the run
     resumes from it or ``overwrite_output_dir`` is set (which deletes them), removes
     the debris of interrupted saves, and checks that the directory is writable and
-    has room for a checkpoint. ``atomic_save`` / ``atomic_write_text`` write a file
-    as temp file, fsync, rename, fsync of the directory: a reader sees the old
-    version or the new one, never half of one. Every failure is one
-    ``OutputDirError`` line naming the path and the cause.
+    has room for a checkpoint, and that ``report_to``'s log directory can be made
+    (``check_can_create``: made, then removed again). ``atomic_save`` /
+    ``atomic_write_text`` write a file as temp file, fsync, rename, fsync of the
+    directory: a reader sees the old version or the new one, never half of one.
+    Every failure is one ``OutputDirError`` line naming the path and the cause.
 
 Why
     Two runs started into the same directory both "succeed" while one's
@@ -156,9 +157,36 @@ class OutputDirLock:
                 directory.rmdir()
 
 
+def check_can_create(directory) -> None:
+    """Make ``directory`` and a file in it as a writer will, then remove what this made; an OSError if it cannot."""
+    path = Path(directory)
+    made = [p for p in [path, *path.parents] if not p.exists()]  # deepest first: removed in this order
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".miniddp.write-test-{os.getpid()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    finally:
+        for directory_made in made:
+            try:
+                directory_made.rmdir()
+            except FileNotFoundError:  # never made: a parent could not be
+                continue
+            except OSError:  # not empty: someone else's now
+                break
+
+
+def _what_blocks(path: Path) -> str:
+    """`` (X is a file)`` for the file in the way of a directory path, if there is one."""
+    blocker = next((p for p in [path, *path.parents] if p.exists() and not p.is_dir()), None)
+    return f" ({blocker} is a file)" if blocker else ""
+
+
 # --8<-- [start:claim]
-def claim_output_dir(output_dir, *, resuming: bool, overwrite: bool, need_bytes: int) -> OutputDirLock:
-    """Rank 0, before the first step: lock ``output_dir``, refuse another run's results, clean, check room."""
+def claim_output_dir(output_dir, *, resuming: bool, overwrite: bool, need_bytes: int,
+                     logging_dir: str | None = None) -> OutputDirLock:
+    """Rank 0, before the first step: lock ``output_dir``, refuse another run's results, clean, check room
+    (and that ``logging_dir``, ``report_to``'s TensorBoard directory when it has one, can be written)."""
     out = Path(output_dir)
     created = not out.exists()
     try:
@@ -192,6 +220,13 @@ def claim_output_dir(output_dir, *, resuming: bool, overwrite: bool, need_bytes:
         if free < need_bytes:
             raise OutputDirError(f"--output_dir {out} has {free / 2**20:.1f} MiB free; a checkpoint and the final "
                                  f"model need about {need_bytes / 2**20:.1f} MiB: free space or use another directory")
+        if logging_dir is not None:
+            try:
+                check_can_create(logging_dir)
+            except OSError as err:
+                raise OutputDirError(f"--report_to tensorboard: its log directory {logging_dir} cannot be written: "
+                                     f"{_cause(err)}{_what_blocks(Path(logging_dir))}; set $TENSORBOARD_LOGGING_DIR "
+                                     "or --output_dir to a writable directory, or --report_to none") from None
     except BaseException:
         lock.release()
         raise

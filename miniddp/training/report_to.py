@@ -6,12 +6,15 @@ What
     scalars (``train/loss``, ``train/learning_rate``; at the end ``train/train_loss`` and the
     ``eval/...`` metrics), flushed at each logging step, into ``$TENSORBOARD_LOGGING_DIR`` or
     ``output_dir/runs/<date>_<host>``. ``check_report_to`` refuses the name, with the missing
-    package named, before any rank starts.
+    package named, before any rank starts; the directory, named when the ``Reporter`` is made
+    (``Reporter.logging_dir``), is checked with ``output_dir`` before the first step
+    (``output_dir.claim_output_dir``).
 
 Why
     The numbers are already averaged over ranks when they are logged, so one writer is enough;
     eight ranks writing eight event files of the same curve would be eight curves in TensorBoard.
-    A missing package found at the first logging step would cost a job's start-up.
+    A missing package or an unwritable directory found at the first logging step would cost a
+    job's start-up, and end it in a traceback.
 
 How Hugging Face differs
     ``transformers.integrations.TensorBoardCallback`` writes the same tags from the main process,
@@ -59,7 +62,7 @@ class Reporter:
 
     def __init__(self, report_to: str, output_dir: str, rank: int):
         self.enabled = report_to == "tensorboard" and rank == 0
-        self.output_dir = output_dir
+        self.logging_dir = logging_dir(output_dir) if self.enabled else None  # checked with output_dir
         self.writer = None  # opened lazily: output_dir is claimed (and maybe cleaned) before the first step
 
     def log(self, values: dict, step: int) -> None:
@@ -69,7 +72,7 @@ class Reporter:
         if self.writer is None:
             from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 - tensorboard only when asked
 
-            self.writer = SummaryWriter(log_dir=logging_dir(self.output_dir))
+            self.writer = SummaryWriter(log_dir=self.logging_dir)
         for key, value in values.items():
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                 self.writer.add_scalar(tag(key), value, step)

@@ -46,8 +46,9 @@ class TrainerReporting:
         resuming = where == "latest" or (where is not None and out in Path(where).resolve().parents)
         need = bytes_to_save(self.model, optimizer_copies=2, checkpoints=self.args.save_steps > 0)
 
-        def claim():
-            return claim_output_dir(out, resuming=resuming, overwrite=self.args.overwrite_output_dir, need_bytes=need)
+        def claim():  # report_to's TensorBoard directory too: unwritable, it would fail at the first log
+            return claim_output_dir(out, resuming=resuming, overwrite=self.args.overwrite_output_dir, need_bytes=need,
+                                    logging_dir=self.reporter.logging_dir)
         self.lock = on_every_rank(claim if self.rank == 0 else None, "claiming output_dir")
 
     def _log(self, progress) -> None:

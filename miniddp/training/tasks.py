@@ -158,10 +158,11 @@ def _check_it_fits(config) -> None:
         have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # not a POSIX system that says
         return
-    if need > have:
-        raise ValueError(f"dataset_size={config.dataset_size}: the built-in {config.model} task needs about "
+    if need > have:  # name the larger of the two sets: --eval_size 1e12 is not a --dataset_size problem
+        name = "dataset_size" if config.dataset_size >= config.eval_size else "eval_size"
+        raise ValueError(f"{name}={getattr(config, name)}: the built-in {config.model} task needs about "
                          f"{need / 2**30:.1f} GiB on this machine (every process builds its own), and "
-                         f"{have / 2**30:.1f} GiB are free: use a smaller --dataset_size")
+                         f"{have / 2**30:.1f} GiB are free: use a smaller --{name}")
 
 
 def make_task(config) -> dict:

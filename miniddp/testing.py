@@ -5,9 +5,11 @@ What
     joins them into one process group, calls ``fn(rank, world_size, *args, **kwargs)`` in each
     (``miniddp.rank_process.run_rank``) and returns their return values in rank order. A rank
     that raises makes the parent raise ``RankError`` (its rank, its traceback, and as
-    ``__cause__`` the original exception); a rank that hangs is killed at ``timeout`` and the
-    parent raises ``RankTimeout`` naming it. The harness's own options are keyword-only: a
-    misspelt one is a ``TypeError``, and ``fn`` may take any keyword through ``kwargs=``.
+    ``__cause__`` the original exception, and what became of the others: raised, exited, killed,
+    or returned normally before it failed); a rank that hangs is killed at ``timeout`` and the
+    parent raises ``RankTimeout`` naming it and where each hung rank was (its Python stack, dumped
+    by ``faulthandler`` on a signal just before the kill). The harness's own options are
+    keyword-only: a misspelt one is a ``TypeError``, and ``fn`` may take any keyword through ``kwargs=``.
 
 Why
     Distributed bugs live *between* processes, so the tests run real processes that fail like
@@ -20,21 +22,27 @@ Why
 How torch differs
     torch's own tests (``torch/testing/_internal/common_distributed.py``, ``MultiProcessTestCase``)
     use a FileStore per test, pipe each child's traceback to the parent and skip with an exit
-    code when there are too few GPUs; this is the same idea as one function call.
+    code when there are too few GPUs; this is the same idea as one function call. Their timeout
+    says which child hung, not where.
 """
 
 from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
+import os
 import pickle
+import shutil
+import tempfile
 import time
 from multiprocessing.connection import wait
 
 import torch
 import torch.distributed as dist
 
-from .rank_process import kill_group, run_rank
+from .rank_process import kill_group, read_stacks, run_rank, where
+
+_deadline: float | None = None  # set_call_deadline: every call ends by then (a caller's own bound)
 
 DEFAULT_TIMEOUT_S = 120.0  # a whole multi-rank call; tests pass smaller ones
 # What the forkserver imports once. torch._dynamo is imported lazily by torch DDP's first
@@ -43,23 +51,41 @@ _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "miniddp"]
 
 
 class RankError(RuntimeError):
-    """A rank raised. ``.rank``, ``.remote_traceback``, ``.others``; ``__cause__`` is the original."""
+    """A rank raised. ``.rank``, ``.remote_traceback``, ``.others``, ``.stacks``; ``__cause__`` is the original."""
 
-    def __init__(self, rank: int, exc_type: str, remote_traceback: str, others=()):
-        then = f" (then {'; '.join(f'rank {r}: {what}' for r, what in others)})" if others else ""
-        super().__init__(f"rank {rank} raised {exc_type}{then}:\n{remote_traceback}")  # last line: the exception
+    def __init__(self, rank: int, exc_type: str, remote_traceback: str, others=(), stacks=None):
+        also = f" ({'; '.join(f'rank {r}: {what}' for r, what in others)})" if others else ""
+        super().__init__(f"rank {rank} raised {exc_type}{also}:\n{remote_traceback}")  # last line: the exception
         self.rank = rank  # which rank failed first
         self.exc_type = exc_type  # the name of its exception class
         self.remote_traceback = remote_traceback  # formatted in the child
         self.others = list(others)  # (rank, what became of it) for the other ranks that did not finish
+        self.stacks = dict(stacks or {})  # rank -> its Python stack when killed after the grace
 
 
 class RankTimeout(RankError, TimeoutError):
-    """Ranks did not finish within the harness timeout and were killed."""
+    """Ranks did not finish within the harness timeout and were killed. ``.ranks``, ``.timeout``, and
+    ``.stacks``: rank -> where it was (its main thread's Python stack, innermost first)."""
 
-    def __init__(self, ranks: list[int], timeout: float):
-        RuntimeError.__init__(self, f"rank(s) {ranks} did not finish within {timeout:g} s and were killed")
+    def __init__(self, ranks: list[int], timeout: float, stacks=None):
+        self.stacks = dict(stacks or {})
+        lines = [f"rank(s) {ranks} did not finish within {timeout:g} s and were killed"]
+        if self.stacks:
+            lines[0] += "; where each was (innermost first):"
+            lines += [where(rank, self.stacks.get(rank, "")) for rank in ranks]
+        RuntimeError.__init__(self, "\n".join(lines))
         self.rank, self.ranks, self.exc_type, self.remote_traceback = ranks[0], ranks, "RankTimeout", ""
+        self.timeout, self.others = timeout, []
+
+
+def set_call_deadline(deadline: float | None) -> None:
+    """Make every ``run_on_ranks`` call end by ``deadline`` (``time.monotonic()``), or lift it (None).
+
+    For a caller that bounds a whole test, as ``miniddp exercise check`` bounds each spec item: a
+    call still running then raises ``RankTimeout`` with the ranks' stacks, before the caller's own
+    timeout would stop the test without them."""
+    global _deadline
+    _deadline = deadline
 
 
 def nccl_available(world_size: int) -> bool:
@@ -106,20 +132,23 @@ def run_on_ranks(fn, world_size: int, *, args=(), kwargs=None, backend: str = "g
         raise TypeError(f"args= must be a tuple or list of fn's positional arguments, got {type(args).__name__}")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"kwargs= must be a dict of fn's keyword arguments, got {type(kwargs).__name__}")
+    started = time.monotonic()
     ctx = _context(start_method)
     pg_timeout = datetime.timedelta(seconds=pg_timeout or timeout)
     lifeline, lifeline_w = ctx.Pipe(duplex=False)  # the write end never leaves this process
     inherited = lifeline_w if start_method == "fork" else None  # ...except as a copy fork makes
     store = None
     procs, conns = [], {}
-    results, errors = [None] * world_size, []
+    results, errors, returned = [None] * world_size, [], {}  # returned: rank -> when its result came
+    dumps = tempfile.mkdtemp(prefix="miniddp-stacks-")  # where a rank writes its stack when asked
+    files = [os.path.join(dumps, f"{rank}.txt") for rank in range(world_size)]
     finished = False  # every rank reported success
     try:
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe()
             p = ctx.Process(target=run_rank, name=f"rank{rank}", args=(
                 rank, world_size, fn, tuple(args), kwargs or {}, child_end, lifeline, inherited,
-                "127.0.0.1", backend, init, pg_timeout))
+                "127.0.0.1", backend, init, pg_timeout, files[rank]))
             p.start()
             child_end.close()
             procs.append(p)
@@ -132,32 +161,40 @@ def run_on_ranks(fn, world_size: int, *, args=(), kwargs=None, backend: str = "g
         for conn in conns:
             conn.send(store.port)
         deadline = time.monotonic() + timeout
+        if _deadline is not None and _deadline < deadline:  # a caller's deadline comes first: say what was left
+            deadline, timeout = _deadline, max(0.0, _deadline - started)
         pending = dict(conns)  # pipes we still expect a message on
         while pending:
             if errors:  # someone failed: the rest get a short grace, not the full timeout
-                deadline = min(deadline, errors[0][0] + grace)
+                deadline = min(deadline, min(errors)[0] + grace)
             ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 break
             for conn in ready:
                 rank = pending.pop(conn)
                 try:
-                    status, _, payload = pickle.loads(conn.recv_bytes())
+                    status, when, payload = pickle.loads(conn.recv_bytes())  # when: the rank's time.monotonic()
                 except EOFError:  # died without a word: a crash, os._exit, a signal
                     procs[rank].join(1)
-                    status, payload = "error", ("ProcessExit", f"rank {rank} exited with code "
-                                                f"{procs[rank].exitcode} before reporting", None)
+                    said = f"rank {rank} exited with code {procs[rank].exitcode} before reporting"
+                    status, when, payload = "error", time.monotonic(), ("ProcessExit", said, None)
                 if status == "ok":
-                    results[rank] = payload
+                    results[rank], returned[rank] = payload, when
                 else:
-                    errors.append((time.monotonic(), rank, payload))
+                    errors.append((when, rank, payload))
         if errors:
-            (_, rank, (exc_type, tb, blob)), *later = sorted(errors, key=lambda e: e[:2])  # the first: the cause
-            others = [(r, p[1] if p[0] == "ProcessExit" else f"raised {p[0]}") for _, r, p in later]
+            first, *later = sorted(errors, key=lambda e: e[:2])  # the first: the cause
+            failed_at, rank, (exc_type, tb, blob) = first
+            # a rank that returned before the failure never issued what the failing rank waited for there
+            others = [(r, f"had returned normally before rank {rank} failed: a collective or message rank {rank} "
+                          "waited for from it was never issued") for r, t in sorted(returned.items()) if t <= failed_at]
+            others += [(r, p[1] if p[0] == "ProcessExit" else f"raised {p[0]}") for _, r, p in later]
             others += [(r, f"still running {grace:g} s after: killed") for r in sorted(pending.values())]
-            raise RankError(rank, exc_type, tb, others) from _unpickle(blob)
+            stacks = read_stacks({r: procs[r].pid for r in pending.values()}, files)
+            raise RankError(rank, exc_type, tb, others, stacks) from _unpickle(blob)
         if pending:
-            raise RankTimeout(sorted(pending.values()), timeout)
+            ranks = sorted(pending.values())
+            raise RankTimeout(ranks, timeout, read_stacks({r: procs[r].pid for r in ranks}, files))
         finished = True
         return results
     finally:
@@ -168,6 +205,7 @@ def run_on_ranks(fn, world_size: int, *, args=(), kwargs=None, backend: str = "g
             p.join()
         for conn in [*conns, lifeline, lifeline_w]:
             conn.close()
+        shutil.rmtree(dumps, ignore_errors=True)
         del store
 # --8<-- [end:run_on_ranks]
 

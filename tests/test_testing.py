@@ -94,6 +94,48 @@ def test_the_error_says_what_became_of_every_other_rank():
     assert others[1] == "raised KeyError" and "exited with code 4" in others[2] and "killed" in others[3]
 
 
+def _wait_for_a_message():
+    dist.recv(torch.zeros(2), src=1)  # rank 1 never sends
+
+
+def _sleep_forever():
+    time.sleep(600)
+
+
+def _one_receives_one_sleeps(rank, world_size):
+    if rank == 0:
+        _wait_for_a_message()
+    else:
+        _sleep_forever()
+
+
+def test_a_hang_says_where_each_rank_was():
+    with pytest.raises(RankTimeout) as info:
+        run_on_ranks(_one_receives_one_sleeps, 2, timeout=8)
+    assert info.value.ranks == [0, 1]
+    stacks = info.value.stacks
+    assert "_wait_for_a_message" in stacks[0] and "_sleep_forever" not in stacks[0]
+    assert "_sleep_forever" in stacks[1] and "_wait_for_a_message" not in stacks[1]
+    assert "dist.recv(" in stacks[0]  # the line it was waiting at, from the source
+    assert "_wait_for_a_message" in str(info.value) and "_sleep_forever" in str(info.value)
+
+
+def _collective_on_rank_0_only(rank, world_size):
+    if rank == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never issues it
+    return rank
+
+
+def test_a_rank_that_returned_without_the_collective_is_named():
+    with pytest.raises(RankError) as info:
+        run_on_ranks(_collective_on_rank_0_only, 2, timeout=60)
+    assert info.value.rank == 0 and not isinstance(info.value, RankTimeout)
+    others = dict(info.value.others)
+    assert others.keys() == {1} and "returned" in others[1]
+    last = [line for line in info.value.remote_traceback.splitlines() if line.strip()][-1]
+    assert str(info.value).strip().splitlines()[-1] == last  # the rank's exception stays the last line
+
+
 def test_fork_runs_functions_that_cannot_be_pickled():
     # notebooks define rank functions in __main__: only fork can run them
     scale = 3

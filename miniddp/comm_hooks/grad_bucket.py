@@ -59,6 +59,12 @@ def hook_name(hook) -> str:
     return "(the default all-reduce)" if hook is None else getattr(hook, "__qualname__", repr(hook))
 
 
+def _what(hook) -> str:
+    """The subject of an error about a bucket's future: the comm hook, or, with none registered, the
+    reducer's own all-reduce (a learner who registered no hook must not read of one)."""
+    return "the reducer's all-reduce" if hook is None else f"comm hook {hook_name(hook)}"
+
+
 # --8<-- [start:registration]
 def check_registration(state, hook, *, registered: bool, started: bool) -> None:
     """What ``register_comm_hook`` refuses, as torch does: a non-callable, a hook that cannot take
@@ -83,7 +89,7 @@ def check_registration(state, hook, *, registered: bool, started: bool) -> None:
 def checked_future(hook, future, index: int):
     """``future``, if ``hook`` returned one for bucket ``index``; else a TypeError saying what a hook returns."""
     if not isinstance(future, torch._C.Future):
-        raise TypeError(f"comm hook {hook_name(hook)} returned {type(future).__name__} for bucket {index}: a hook "
+        raise TypeError(f"{_what(hook)} returned {type(future).__name__} for bucket {index}: a hook "
                         "returns a torch.futures.Future of the averaged bucket, e.g. "
                         "dist.all_reduce(bucket.buffer(), async_op=True).get_future()")
     return future
@@ -93,10 +99,10 @@ def hook_result(hook, index: int, value, buffer: torch.Tensor) -> torch.Tensor:
     """The tensor in a hook's completed future, checked against the bucket ``buffer`` it stands for."""
     tensor = value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else value  # c10d futures hold lists
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"comm hook {hook_name(hook)}'s future for bucket {index} holds {type(value).__name__}; "
+        raise TypeError(f"{_what(hook)}'s future for bucket {index} holds {type(value).__name__}; "
                         "it must hold the averaged bucket as one tensor")
     if tensor.numel() != buffer.numel() or not tensor.is_floating_point():
-        raise ValueError(f"comm hook {hook_name(hook)}'s future for bucket {index} holds a {tensor.dtype} tensor of "
+        raise ValueError(f"{_what(hook)}'s future for bucket {index} holds a {tensor.dtype} tensor of "
                          f"{tensor.numel()} elements; it must hold the averaged buffer(): {buffer.numel()} elements "
                          f"of {buffer.dtype} (another floating dtype is cast back, as torch does)")
     return tensor

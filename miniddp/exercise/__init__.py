@@ -6,7 +6,9 @@ What
     (``### BEGIN SOLUTION`` / ``### END SOLUTION``, nbgrader's markers) replaced by a
     ``NotImplementedError`` naming the docs section (``skeleton.py``). ``check`` runs the concept's
     spec tests, the project's own, with the learner's names in place of miniddp's in every
-    process, ranks included (``swap.py``); the rest of miniddp stays the reference.
+    process, ranks included (``swap.py``); the rest of miniddp stays the reference. The spec runs
+    in a pytest session bounded in time and memory (``bounds.py``), which alone imports the
+    learner's file; each item's report says why it failed, or that it was stopped and by what.
 
 Why
     Reading a solution and watching its tests pass is not the same as writing it. The spec that

@@ -1,66 +1,90 @@
-"""``miniddp exercise list | start NAME [--dir D] | check NAME [--dir D] | solution NAME``."""
+"""``miniddp exercise list | start NAME [--dir D] | check NAME [--dir D] | solution NAME``.
+
+This process never runs a line of the learner's file: it reads and compiles it for a first one-line
+error, then hands it to a bounded pytest session (``bounds.py``) that imports it and runs the spec.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
+from .bounds import MEMORY_MB, pytest_command, run_bounded
 from .catalog import EXERCISES, exercise
-from .report import BATCH_ENV, REPORT_ENV
 from .skeleton import make_skeleton
-from .swap import ENV, LearnerFileError, load
+from .swap import ENV, LearnerFileError, defined_names, missing, read_source
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: the spec is its tests/
 DEFAULT_DIR = "my_miniddp"
-CHECK_TIMEOUT_S = 120  # per spec test: a ring that never receives is stopped, and named
+CHECK_TIMEOUT_S = 120  # per test case: a ring that never receives is stopped, and named with each rank's stack
 
 
 def learner_file(name: str, folder) -> Path:
     return Path(folder) / f"{name}.py"
 
 
-def run_checks(checks) -> list[list[dict]]:
-    """Several implementations in one pytest session: ``checks`` is ``[(name, path, only, timeout_s)]``
-    (``only``: those spec tests, or None for all); for each, its items ``{demands, test, passed, reason}``."""
+def _preflight(name: str, path) -> None:
+    """What can be said without running the file: it reads, compiles and defines the required names."""
+    missing(path, exercise(name).required, defined_names(read_source(path)))
+
+
+def check_batch(checks, memory_mb: float = MEMORY_MB) -> list:
+    """``checks`` as ``run_checks`` takes them, in one bounded session (``bounds.py``); for each, its items,
+    or the LearnerFileError of a file that did not import there (its module-level code runs only there)."""
     batch, specs = [], []
     for name, path, only, timeout_s in checks:
         chosen = exercise(name)
-        spec = [item for item in chosen.spec if only is None or item.test in only]
-        load(str(path), chosen.module, chosen.required)  # one clear line before anything runs
-        batch.append({"use": f"{name}={os.path.abspath(path)}", "tests": [i.test for i in spec], "timeout": timeout_s})
-        specs.append(spec)
-    with tempfile.TemporaryDirectory() as tmp:
-        report, listing = os.path.join(tmp, "report.json"), os.path.join(tmp, "batch.json")
-        json.dump(batch, open(listing, "w", encoding="utf-8"))
-        env = {k: v for k, v in os.environ.items() if k != ENV}  # the session itself starts as the reference
-        env.update({BATCH_ENV: listing, REPORT_ENV: report})
-        tests = dict.fromkeys(test for implementation in batch for test in implementation["tests"])
-        command = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
-                   "-p", "miniddp.exercise.report", "-W", "ignore", *tests]
-        ran = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
-        if not os.path.exists(report):  # pytest itself did not get going: its last words, not a traceback
-            last = [line for line in (ran.stdout + ran.stderr).splitlines() if line.strip()] or [
-                f"pytest exited {ran.returncode}"]
-            raise LearnerFileError(f"the spec did not run: {last[-1]}")
-        results = json.load(open(report, encoding="utf-8"))
-    return [[_item(item, outcomes.get(item.test, [])) for item in spec] for spec, outcomes in zip(specs, results)]
+        specs.append([item for item in chosen.spec if only is None or item.test in only])
+        batch.append({"use": f"{name}={os.path.abspath(path)}", "tests": [i.test for i in specs[-1]],
+                      "timeout": timeout_s})
+    env = {k: v for k, v in os.environ.items() if k != ENV}  # the session itself starts as the reference
+    tests = dict.fromkeys(test for implementation in batch for test in implementation["tests"])
+    outcomes = run_bounded(batch, memory_mb, pytest_command(tests), ROOT, env)
+    return [LearnerFileError(outcome["load"]) if outcome["load"] else
+            [_item(item, outcome["results"].get(item.test, []), spec) for item in spec]
+            for spec, outcome in zip(specs, outcomes)]
 
 
-def _item(item, outcomes) -> dict:
-    failed = [reason for outcome, reason in outcomes if outcome == "failed"]
-    passed = bool(outcomes) and not failed and any(outcome == "passed" for outcome, _ in outcomes)
-    return {"demands": item.demands, "test": item.test, "passed": passed,
-            "reason": failed[0] if failed else ("" if passed else "did not run")}
+def run_checks(checks, *, memory_mb: float = MEMORY_MB) -> list[list[dict]]:
+    """Several implementations in one pytest session: ``checks`` is ``[(name, path, only, timeout_s)]``
+    (``only``: those spec tests, or None for all; ``timeout_s``: per test case); for each, its items
+    ``{demands, test, passed, reason, outcome, case, stopped, limit, after}`` (``item_fields``).
+    A file that does not import raises LearnerFileError, one line naming it."""
+    for name, path, *_ in checks:
+        _preflight(name, path)
+    results = check_batch(checks, memory_mb)
+    for result in results:
+        if isinstance(result, LearnerFileError):
+            raise result
+    return results
 
 
-def run_check(name: str, path, *, timeout_s: float = CHECK_TIMEOUT_S, only=None) -> list[dict]:
+def _item(item, results, spec) -> dict:
+    """One spec item from its cases' results: ``outcome`` is passed, failed, stopped (by the time limit or
+    the memory cap: ``stopped``, ``limit``) or not run (``after``: the item of this file that hung first)."""
+    failed = [r for r in results if r["outcome"] == "failed"]
+    after = None if failed else next((r["after"] for r in results if r["outcome"] == "skipped" and r.get("after")),
+                                     None)
+    first = failed[0] if failed else {}
+    passed = bool(results) and not failed and not after and any(r["outcome"] == "passed" for r in results)
+    if failed:
+        outcome, reason = ("stopped" if first.get("stopped") else "failed"), first["reason"]
+    elif after:
+        hung = next((i.demands for i in spec if i.test == after), after)
+        outcome, reason = "not run", (f"not run: this file's \"{hung}\" was stopped first (a hang costs one "
+                                      "timeout per file, not one per item)")
+    else:
+        outcome, reason = ("passed", "") if passed else ("not run", "did not run")
+    return {"demands": item.demands, "test": item.test, "passed": passed, "reason": reason, "outcome": outcome,
+            "case": first.get("case") or None, "stopped": first.get("stopped"), "limit": first.get("limit"),
+            "after": after}
+
+
+def run_check(name: str, path, *, timeout_s: float = CHECK_TIMEOUT_S, only=None, memory_mb: float = MEMORY_MB):
     """Each spec item of exercise ``name`` (or those whose test is in ``only``) run against the file ``path``."""
-    return run_checks([(name, path, only, timeout_s)])[0]
+    return run_checks([(name, path, only, timeout_s)], memory_mb=memory_mb)[0]
 
 
 def _statuses(folder) -> list[str]:
@@ -72,14 +96,46 @@ def _statuses(folder) -> list[str]:
             status[e.name] = "not started"
             continue
         try:
-            load(str(path), e.module, e.required)
+            _preflight(e.name, path)
             started.append((e.name, path, None, CHECK_TIMEOUT_S))
         except LearnerFileError as err:
             status[e.name] = f"does not load: {err}"
-    for (name, *_), items in zip(started, run_checks(started) if started else []):
+    for (name, *_), items in zip(started, check_batch(started) if started else []):
+        if isinstance(items, LearnerFileError):
+            status[name] = f"does not load: {items}"
+            continue
         failing = sum(not i["passed"] for i in items)
         status[name] = "passing" if not failing else f"{failing} of {len(items)} spec items failing"
     return [status[e.name] for e in EXERCISES]
+
+
+def _start(chosen, path: Path, folder: str) -> int:
+    if path.exists():
+        print(f"{path} exists: not overwritten (delete it to start again)")
+        return 1
+    source = (ROOT / chosen.source).read_text(encoding="utf-8")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(make_skeleton(source, chosen.names, chosen.page, chosen.name), encoding="utf-8")
+    except OSError as err:  # --dir is a file, lies under one, or cannot be written
+        print(f"miniddp exercise: --dir {folder}: cannot write {path} there ({err.strerror}): give a folder you "
+              "can write to", file=sys.stderr)
+        return 2
+    print(f"wrote {path}: write {', '.join(chosen.names)}, then `miniddp exercise check {chosen.name}"
+          f"{'' if folder == DEFAULT_DIR else ' --dir ' + folder}`")
+    return 0
+
+
+def _report(chosen, items) -> int:
+    for item in items:
+        print(f"{'PASS' if item['passed'] else 'FAIL'}  {item['demands']}")
+        if not item["passed"]:
+            for line in item["reason"].splitlines():
+                print(f"      {line}")
+            print(f"      held by {item['test']}; taught in docs/{chosen.page}")
+    passing = sum(i["passed"] for i in items)
+    print(f"\n{chosen.name}: {passing} of {len(items)} spec items pass; docs/{chosen.page}")
+    return 0 if items and passing == len(items) else 1  # 0 only when every item positively passed
 
 
 def main(argv=None) -> int:
@@ -95,8 +151,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "list":
-            for number, (e, status) in enumerate(zip(EXERCISES, _statuses(args.dir)), 1):
-                print(f"{number:2}. {e.name:11} {', '.join(e.required):38} {status}")
+            rows = [(f"{n:2}.", e.name, ", ".join(e.required), status)
+                    for n, (e, status) in enumerate(zip(EXERCISES, _statuses(args.dir)), 1)]
+            widths = [max(len(row[c]) for row in rows) for c in range(3)]  # from the data: no name overflows
+            for row in rows:
+                print(" ".join(cell.ljust(width) for cell, width in zip(row, widths)), row[3])
             return 0
         chosen = exercise(args.name)
         if args.command == "solution":
@@ -104,27 +163,12 @@ def main(argv=None) -> int:
             return 0
         path = learner_file(chosen.name, args.dir)
         if args.command == "start":
-            if path.exists():
-                print(f"{path} exists: not overwritten (delete it to start again)")
-                return 1
-            path.parent.mkdir(parents=True, exist_ok=True)
-            source = (ROOT / chosen.source).read_text(encoding="utf-8")
-            path.write_text(make_skeleton(source, chosen.names, chosen.page, chosen.name), encoding="utf-8")
-            print(f"wrote {path}: write {', '.join(chosen.names)}, then `miniddp exercise check {chosen.name}"
-                  f"{'' if args.dir == DEFAULT_DIR else ' --dir ' + args.dir}`")
-            return 0
-        if not path.exists():
+            return _start(chosen, path, args.dir)
+        if not path.is_file():
             print(f"{path} does not exist: `miniddp exercise start {chosen.name}` writes it")
             return 1
         items = run_check(chosen.name, path)
     except (ValueError, LearnerFileError) as err:
         print(f"miniddp exercise: {err}", file=sys.stderr)
         return 2
-    for item in items:
-        mark = "PASS" if item["passed"] else "FAIL"
-        print(f"{mark}  {item['demands']}")
-        if not item["passed"]:
-            print(f"      {item['reason']}\n      held by {item['test']}; taught in docs/{chosen.page}")
-    failing = sum(not i["passed"] for i in items)
-    print(f"\n{chosen.name}: {len(items) - failing} of {len(items)} spec items pass; docs/{chosen.page}")
-    return 0 if not failing else 1
+    return _report(chosen, items)

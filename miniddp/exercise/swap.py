@@ -6,16 +6,20 @@ names it defines wherever miniddp, or a test module of its spec, holds the refer
 ``use("")`` puts the reference back. ``MINIDDP_EXERCISE=<name>=<file>`` in the environment does
 the same at ``import miniddp``, so spawned ranks and torchrun workers inherit it; the harness's
 forked ranks call ``use`` themselves (``run_rank_as``), so one pytest session can check several
-implementations one after another.
+implementations one after another. ``read_source`` and ``defined_names`` look at a file without
+running it: the ``check`` and ``list`` process never executes a line of the learner's (``bounds.py``).
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib
 import importlib.util
+import io
 import os
 import sys
+import tokenize
 import types
 from pathlib import Path
 
@@ -29,8 +33,57 @@ class LearnerFileError(ValueError):
     """The learner's file cannot stand in for the reference: one line naming the file and the name."""
 
 
+def read_source(path) -> str:
+    """The file's text, decoded as Python decodes it (UTF-8, or its ``coding:`` line) and compiled, never
+    run; a LearnerFileError naming the file and the line for what stops it: unreadable, not text in its
+    encoding, a syntax error."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as err:
+        raise LearnerFileError(f"{path}: cannot read it ({err.strerror})") from None
+    try:
+        try:
+            encoding = tokenize.detect_encoding(io.BytesIO(data).readline)[0]
+        except SyntaxError as err:  # a first line that is not UTF-8 (said below), or an unknown coding line
+            data.decode("utf-8")
+            raise LearnerFileError(f"{path}: {err.msg}") from None
+        source = data.decode(encoding)
+        compile(source, str(path), "exec", dont_inherit=True)
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise LearnerFileError(f"{path}:{line}: byte {data[err.start]:#04x} is not {err.encoding} text: save "
+                               "the file as UTF-8 (or name its encoding in a first line `# -*- coding: NAME -*-`)"
+                               ) from None
+    except SyntaxError as err:  # a null byte has no line
+        raise LearnerFileError(f"{path}{f':{err.lineno}' if err.lineno else ''}: syntax error: {err.msg}") from None
+    return source
+
+
+def defined_names(source: str) -> set[str]:
+    """The names the module's top level defines (def, class, assignment), read from its syntax tree."""
+    names = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+    return names
+
+
+def missing(path, required, names) -> None:
+    """A LearnerFileError for the first of ``required`` not in ``names``."""
+    for name in required:
+        if name not in names:
+            raise LearnerFileError(f"{path} defines no {name}: the exercise asks for {name} "
+                                   f"(its signature is in the file `miniddp exercise start` wrote)")
+
+
 def load(path: str, module_name: str, required=()) -> types.ModuleType:
-    """``path`` as a sibling of ``module_name`` whose globals start as the reference's."""
+    """``path`` as a sibling of ``module_name`` whose globals start as the reference's. It runs the file:
+    only ever in the check's own session (``report.py``) and its ranks, never in the CLI's process."""
+    read_source(path)
     reference = importlib.import_module(module_name)
     package, _, leaf = module_name.rpartition(".")
     tag = hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:8]  # one module per file, in every process
@@ -39,25 +92,27 @@ def load(path: str, module_name: str, required=()) -> types.ModuleType:
         raise LearnerFileError(f"{path}: not a Python file")
     module = importlib.util.module_from_spec(spec)
     module.__dict__.update({k: v for k, v in vars(reference).items() if not k.startswith("__")})
-    try:
-        source = open(path, encoding="utf-8").read()
-        compile(source, path, "exec")
-    except OSError as err:
-        raise LearnerFileError(f"{path}: cannot read it ({err.strerror})") from None
-    except SyntaxError as err:
-        raise LearnerFileError(f"{path}:{err.lineno}: syntax error: {err.msg}") from None
     sys.modules[spec.name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as err:  # the learner's module-level code: their error, said in one line
+    except (Exception, SystemExit) as err:  # the learner's module-level code: their error, said in one line
         del sys.modules[spec.name]
+        if isinstance(err, SystemExit):
+            raise LearnerFileError(f"{path}: importing it called sys.exit({err.code!r}): module-level code runs "
+                                   "when the check imports the file; keep it in functions") from None
         raise LearnerFileError(f"{path}: importing it raised {type(err).__name__}: {err}") from None
-    defined = {k for k, v in vars(module).items() if getattr(v, "__module__", None) == spec.name}
-    for name in required:
-        if name not in defined:
-            raise LearnerFileError(f"{path} defines no {name}: the exercise asks for {name} "
-                                   f"(its signature is in the file `miniddp exercise start` wrote)")
+    missing(path, required, {k for k, v in vars(module).items() if getattr(v, "__module__", None) == spec.name})
     return module
+
+
+def preload(value: str) -> None:
+    """Load ``"<name>=<file>"`` now, checking the exercise's required names, for ``use`` to find."""
+    from .catalog import exercise
+
+    name, _, path = value.partition("=")
+    if value not in _loaded:
+        chosen = exercise(name)
+        _loaded[value] = load(path, chosen.module, chosen.required)
 
 
 def _holders():

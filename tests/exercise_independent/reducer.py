@@ -1,0 +1,242 @@
+"""An independent correct solution of ``reducer``, kept to prove the spec accepts code unlike the reference.
+
+What differs from the reference: a bucket is complete when every one of its parameters is flagged
+ready (``_complete`` reads ``Backward.ready``; the per-bucket ``pending`` counters are not used), so
+``_mark_ready`` only records the gradient and asks ``_launch`` to go as far as it can; ``_launch`` is a
+bounded ``for`` loop over the buckets not yet handed over instead of a ``while``; a parameter without a
+gradient has its kept ``.grad`` noted before its bucket slot is written; the write-back pairs each
+bucket with its result through a dict keyed by bucket index. The arithmetic (divide by N on the way
+in, SUM, write back) and the order rules (bucket order, ``call_order``) are the exercise's contract.
+The rest of the class is the skeleton's as ``miniddp exercise start reducer`` writes it today.
+"""
+
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..comm_hooks.byte_count import all_reduce
+from ..comm_hooks.call_order import CallOrder
+from ..comm_hooks.grad_bucket import checked_future, hook_result
+from ..process_group.clean_exit import group_or_default
+from ..process_group.fingerprint import issued_as
+from . import stalls
+from .autograd_hooks import hook_once, on_backward_start
+from .bucketing import build_buckets, check_dense, compute_bucket_assignment, rebuilt_assignment
+from .no_sync import Accumulated
+from .observers import Observers
+from .static_graph import StaticGraph
+from .unused import UsedCounts, check_counts, gradient_twice_message, unused_contribution, unused_parameters
+
+
+@dataclass
+class Backward:  # everything one synced backward knows; prepare_for_backward makes a fresh one
+    divisor: int  # the N of mean = sum / N on the default path (join: maybe the active ranks only)
+    expected: int  # ranks that must produce each gradient (join: the active ones)
+    local_unused: list[int]  # no gradient on this rank: the graph walk's, then the never-arrived
+    pending: list[int]  # per bucket: gradients still missing
+    counts: UsedCounts  # this rank's 1/0 per parameter, summed over ranks at the end
+    ready: list[bool] = field(default_factory=list)  # per parameter: its gradient is in its bucket
+    futures: list = field(default_factory=list)  # each launched bucket's future, in bucket order
+    started: bool = False  # the end-of-backward callback is queued
+    shadow: bool = False  # a joined rank's (join.py): zeros go out, nothing comes back into .grad
+
+    @property
+    def next_bucket(self) -> int:
+        return len(self.futures)
+
+
+class Reducer:
+    """Bucketed, overlapped gradient averaging for a list of parameters."""
+
+    def __init__(self, params, names, process_group, size_limits, *, find_unused_parameters=False,
+                 gradient_as_bucket_view=False, static_graph=False, observers=()):
+        self.params = list(params)  # parameters that require grad, registration order
+        self.names = list(names)  # their qualified names
+        self._group = process_group  # who we average with; None: the default group, never held (clean_exit.py)
+        self.world_size = dist.get_world_size(self.group)
+        self.size_limits = list(size_limits)  # bucket byte limits (first, then the rest)
+        self.find_unused = find_unused_parameters or static_graph  # unused on purpose: their .grad kept, no error
+        self.as_view = gradient_as_bucket_view  # .grad is a view into the bucket
+        self.observers = Observers(observers)  # told each named event (observers.py)
+        self.set_comm_hook(None, None)  # hook None: the default path (divide, sum); call_order: when a bucket may go
+        self._install(list(reversed(compute_bucket_assignment(self.params, self.size_limits))))  # last layers first
+        self.backward: Backward | None = None  # armed by a synced forward until its backward ends
+        self.accumulated = Accumulated(len(self.params))  # got a gradient since the last sync (no_sync too)
+        self.warned_no_unused = False  # the "flag set but nothing unused" warning, once
+        self.ready_order: list[int] = []  # parameter indices as their gradients arrived (first iteration)
+        self.rebuilt = find_unused_parameters  # torch never rebuilds when the graph may change
+        self.rebuild_due = False  # rebuild at the next forward
+        self.backwards = 0  # synced backwards so far (shadowed ones too): names a collective in errors
+        self.superseded = False  # a later wrapper of the same parameters took their hooks over
+        self.static = StaticGraph(self.names, dist.get_rank(self.group), self.world_size) if static_graph else None
+        for i, p in enumerate(self.params):
+            hook_once(p, self._hook, i)  # held weakly: a deleted wrapper leaves no hook behind
+
+    @property
+    def group(self):
+        return group_or_default(self._group)
+
+    def _install(self, assignment) -> None:
+        self.buckets = build_buckets(self.params, self.names, assignment)
+        self.where = {i: (b, k) for b, indices in enumerate(assignment) for k, i in enumerate(indices)}
+
+    def set_comm_hook(self, state, hook) -> None:
+        self.hook, self.hook_state, self.call_order = hook, state, CallOrder(hook)
+
+    @property
+    def waiting_for_backward(self) -> bool:  # armed by a synced forward whose backward has not started
+        return self.backward is not None and not self.backward.started
+
+    # --8<-- [start:prepare]
+    def prepare_for_backward(self, outputs, divisor: int | None = None, expected: int | None = None) -> None:
+        """Called at the end of a synced forward: arm the hooks for the coming backward."""
+        self.backward = Backward(
+            divisor=divisor or self.world_size, expected=expected or self.world_size,
+            local_unused=self.static.begin() if self.static else  # static_graph: no walk, the first backward's
+            unused_parameters(outputs, self.params) if self.find_unused else [],
+            pending=[len(b.params) for b in self.buckets], counts=UsedCounts(len(self.params)),
+            ready=[False] * len(self.params))
+        on_backward_start(outputs, self.params, self._start_backward)  # a backward reaching the parameters
+
+    def _start_backward(self) -> None:
+        state = self.backward
+        if state is None or state.started:
+            return
+        state.started = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._finalize)  # runs after backward
+        self.observers.backward_started()
+        for i in state.local_unused:  # found by the graph walk: ready now
+            self._mark_unused(i)
+    # --8<-- [end:prepare]
+
+    # --8<-- [start:hook]
+    def _hook(self, i: int, param) -> None:
+        """Parameter ``i``'s post-accumulate-grad hook: its gradient is in ``param.grad``."""
+        grad = check_dense(param.grad, self.names[i])
+        if grad is not None:
+            self.accumulated.add(i)  # counted even inside no_sync, as torch does
+        if self.backward is None:  # not armed: inside no_sync, or a forward that bypassed DDP
+            self.accumulated.unarmed(self.names[i])  # warned, unless a no_sync forward explains it
+            return
+        self._start_backward()
+        if self.static is not None and not self.static.fire(i):  # static_graph: ready at its last firing
+            return
+        if not self.rebuilt:
+            self.ready_order.append(i)
+        self._mark_ready(i, grad)
+    # --8<-- [end:hook]
+
+    def _mark_unused(self, i: int) -> None:  # no gradient in this backward: what unused_contribution says
+        self._mark_ready(i, *unused_contribution(self.params[i].grad, self.find_unused, i in self.accumulated))
+
+    # --8<-- [start:mark_ready]
+    def _mark_ready(self, i: int, grad, used: bool = True) -> None:
+        state = self.backward
+        if state.ready[i]:  # reentrant checkpointing, or a module used in two backward passes
+            raise RuntimeError(gradient_twice_message(self.names[i], walk_missed_it=i in state.local_unused))
+        b, k = self.where[i]
+        bucket = self.buckets[b]
+        if not used:  # counted as absent; a bucket-view .grad is copied before the slot is overwritten
+            state.counts.mark_unused(i, self.params[i].grad, bucket.views[k])
+        bucket.put(k, grad, 1 if self.hook is not None else state.divisor)  # a hook divides by itself
+        state.ready[i] = True
+        self.observers.grad_ready(i, self.names[i])
+        self._launch(state)
+
+    def _complete(self, state: Backward, b: int) -> bool:
+        """Every gradient of bucket ``b`` is in it (a joined rank's shadow backward: zeros, always complete)."""
+        return state.shadow or all(state.ready[i] for i in self.buckets[b].indices)
+    # --8<-- [end:mark_ready]
+
+    # --8<-- [start:launch]
+    def _launch(self, state: Backward, wait: bool = False) -> None:
+        """Hand complete buckets over, in bucket order, each when ``call_order`` allows it (``wait``: at the
+        end of backward, wait for that instead of returning to try again at the next gradient)."""
+        for b in range(state.next_bucket, len(self.buckets)):
+            if not self._complete(state, b):
+                return  # bucket order: a later bucket may be complete, but it waits for this one
+            if not self._may_issue(state, wait):
+                return  # the hook still issues the previous bucket's collectives: try at the next gradient
+            self._communicate(state, self.buckets[b])
+
+    def _communicate(self, state: Backward, bucket) -> None:
+        flat = torch.zeros_like(bucket.buffer) if state.shadow else bucket.buffer  # a joined rank sends zeros
+        with issued_as("join's zeros for each bucket" if state.shadow else f"bucket {bucket.index} all-reduce"):
+            if self.hook is None:  # the default path: the gradients came in divided by N, so the sum is the mean
+                future = all_reduce(flat, self.group)
+            else:  # torch's contract: the hook gets the undivided bucket and returns a future of its mean
+                future = checked_future(self.hook, self.hook(self.hook_state, bucket.for_hook(
+                    bucket.index == len(self.buckets) - 1, flat)), bucket.index)
+        state.futures.append(future)
+        if not state.shadow:
+            self.observers.bucket_launched(bucket, future)
+
+    def _may_issue(self, state: Backward, wait: bool) -> bool:  # may the next collective go out now? (wait: until)
+        previous = self.call_order.wait_for(state.futures)
+        if previous is not None and wait:
+            self._wait(f"all-reduce of bucket {state.next_bucket - 1}", previous)
+        return previous is None or wait
+    # --8<-- [end:launch]
+
+    def _wait(self, what: str, future):
+        return stalls.wait(future, f"{what} in backward #{self.backwards}", self.group)
+
+    # --8<-- [start:finalize]
+    def _finalize(self) -> None:
+        """Autograd callback after backward: finish every bucket, write the results back, check the counts."""
+        state = self.backward
+        self.backwards += 1
+        try:
+            if self.static is not None:  # its first backward: all that came goes now; each backward: its flags
+                self.static.before_finish(state.counts, lambda i: self._mark_ready(i, self.params[i].grad))
+            for i, done in enumerate(state.ready):  # no gradient on this rank: zeros, so nobody hangs
+                if not done:
+                    state.local_unused.append(i)
+                    self._mark_unused(i)
+            means, counts = self._finish(state)
+            by_index = {bucket.index: bucket for bucket in self.buckets}
+            for index, mean in enumerate(means):
+                by_index[index].write_back(mean, counts, self.as_view)
+            state.counts.restore_kept(self.params, counts)
+            self.accumulated.clear()
+        finally:
+            self.backward = None  # disarmed, whatever happened
+        self.observers.backward_ended()
+        self.warned_no_unused |= self.static.end(counts) if self.static else check_counts(  # static: learn, or raise
+            counts, state.expected, self.names, find_unused=self.find_unused, local=state.local_unused,
+            params=self.params, warn_if_nothing_unused=not self.warned_no_unused)
+        self.rebuild_due = not self.rebuilt and (self.static is None or self.static.order_known)  # once, next forward
+
+    def _finish(self, state: Backward) -> tuple[list[torch.Tensor], list[int]]:
+        """The buckets still waiting their turn, then the used counts (after every hook's last collective,
+        so nothing comes between them on any rank), then wait for all: (each bucket's mean, the counts)."""
+        self._launch(state, wait=True)
+        self._may_issue(state, wait=True)
+        summed = state.counts.all_reduce(self.group, self.buckets[0].buffer.device)
+        results = [hook_result(self.hook, b.index, self._wait(f"all-reduce of bucket {b.index}", f), b.buffer)
+                   for b, f in zip(self.buckets, state.futures)]
+        self._wait("used-counts all-reduce", summed)
+        return results, state.counts.counts()
+    # --8<-- [end:finalize]
+
+    # --8<-- [start:shadow]
+    def shadow_backward(self) -> None:
+        """A joined rank's share of a backward it sits out (``join.py``): the active ranks' launch and finish with
+        zeros, nothing written back (torch: ``DistributedDataParallel._match_all_reduce_for_bwd_pass``)."""
+        self.backwards += 1  # counted as the active ranks count theirs: a stalled collective's name agrees
+        self._finish(Backward(divisor=1, expected=self.world_size, local_unused=[], shadow=True,
+                              pending=[0] * len(self.buckets), counts=UsedCounts(len(self.params), used=0)))
+    # --8<-- [end:shadow]
+
+    # --8<-- [start:rebuild]
+    @issued_as("bucket order broadcast")
+    def rebuild(self, size_limits: list[int] | None = None) -> None:
+        """Once, before the second synced forward (every rank, a joined one too): buckets in the order
+        gradients arrived, with ``size_limits`` if given (``bucket_cap_mb="auto"``: the cost model's)."""
+        self.rebuild_due, self.rebuilt, self.size_limits = False, True, list(size_limits or self.size_limits)
+        self._install(rebuilt_assignment(self.ready_order, self.params, self.size_limits, self.group))
+    # --8<-- [end:rebuild]

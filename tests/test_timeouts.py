@@ -23,7 +23,7 @@ def test_default_is_hugging_face_default():
     assert miniddp.DEFAULT_TIMEOUT_S == 1800
 
 
-@pytest.mark.parametrize("bad", [0, -1, -0.5, math.nan, math.inf, timedelta(0), timedelta(seconds=-3)])
+@pytest.mark.parametrize("bad", [0, -1, -0.5, math.nan, math.inf, timedelta(0), timedelta(seconds=-3), 1e308])
 def test_non_positive_or_nan_timeouts_are_rejected(bad):
     with pytest.raises(ValueError, match="ddp_timeout"):
         miniddp.as_timedelta(bad)

@@ -35,6 +35,7 @@ class DDPOptimizer:
         self.ddp = ddp
         self.backend = backend
         self.pieces: list[int] = []  # per graph dynamo compiled: how many pieces it was split into
+        self.__name__ = f"DDPOptimizer({backend})"  # what dynamo's messages call a backend, not an object's repr
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         from torch._dynamo.backends.registry import lookup_backend  # noqa: PLC0415 - only when compiling

@@ -47,6 +47,9 @@ def as_timedelta(timeout, name: str = "ddp_timeout") -> timedelta:
             f"{name}={timeout!r} must be > 0 seconds (default {DEFAULT_TIMEOUT_S}); "
             "a rank waits this long for its peers before raising"
         )
+    if seconds > timedelta.max.total_seconds():  # 1e308: a timedelta cannot hold it (an OverflowError)
+        raise ValueError(f"{name}={timeout!r} seconds is more than a timedelta holds (about 2.7 million years): "
+                         f"use e.g. {name}=1800 (the default)")
     if seconds < 0.001:  # gloo and NCCL count whole milliseconds: this would be a timeout of 0
         raise ValueError(f"{name}={timeout!r} is under a millisecond, which gloo and NCCL round to 0: "
                          f"give seconds, e.g. {name}=1800 (the default)")

@@ -4,8 +4,8 @@ What
     ``compute_bucket_assignment`` groups parameters into buckets of about ``bucket_cap_mb``; a
     ``Bucket`` owns one flat buffer its gradients are copied into, divided by N on the default
     path (``put``: mean = sum / N), or that ``.grad`` is a view of (``gradient_as_bucket_view``);
-    ``write_back`` is the one place that sets ``.grad``. ``reducer.py`` sends each bucket as soon
-    as its last gradient is ready.
+    ``write_back`` is the one place that sets ``.grad``. ``reducer.py`` sends the buckets in bucket
+    order, each once its last gradient is ready and the buckets before it have gone.
 
 Why
     One all-reduce per parameter pays a fixed latency hundreds of times per step; one of
@@ -48,8 +48,8 @@ def check_bucket_cap_mb(value, name: str = "bucket_cap_mb") -> None:
     """A cap is a finite number of MiB that holds at least one byte (or None / "auto"); else a ValueError."""
     if value is None or value == "auto":
         return
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value)
-            or value * MiB < 1):
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
+            or not math.isfinite(value * MiB) or value * MiB < 1):  # 1e308 MiB overflows to inf bytes
         raise ValueError(f"{name}={value!r} must be a finite number of MiB holding at least one byte "
                          f"(>= {1 / MiB:.2g}), e.g. 25, or \"auto\" (the cost model chooses it after the first step), "
                          "or None (torch's 1 MiB first, then 25 MiB)")
@@ -58,7 +58,12 @@ def check_bucket_cap_mb(value, name: str = "bucket_cap_mb") -> None:
 # --8<-- [start:assignment]
 def compute_bucket_assignment(tensors, bucket_size_limits) -> list[list[int]]:
     """Indices of ``tensors`` per bucket; equal to torch's
-    ``_compute_bucket_assignment_by_size(tensors, bucket_size_limits)[0]`` for dense tensors."""
+    ``_compute_bucket_assignment_by_size(tensors, bucket_size_limits)[0]`` for dense tensors.
+
+    In ``tensors``' order, each joins the one open bucket of its (dtype, device); a bucket closes
+    once its bytes (``numel * element_size``) reach its limit (``>=``): a key's k-th bucket gets
+    ``limits[k]``, the last limit repeating. The buckets, the partly filled ones too, come back
+    sorted by their smallest index."""
     limits = [int(b) for b in bucket_size_limits]
     if not limits or any(b <= 0 for b in limits):
         raise ValueError(f"bucket_size_limits={bucket_size_limits!r} must be a non-empty list of byte counts > 0")
@@ -159,7 +164,12 @@ class Bucket:
 # --8<-- [start:rebuild]
 def rebuilt_assignment(ready_order: list[int], params, size_limits, group) -> list[list[int]]:
     """Buckets filled in the order gradients arrived in the first backward (rank 0's order, broadcast, so
-    that every rank builds the same), never-arrived parameters last."""
+    that every rank builds the same), never-arrived parameters last.
+
+    ``ready_order``: indices into ``params`` as their gradients arrived (a repeat counts at its first
+    arrival). Every rank of ``group`` calls it; the order of the group's rank 0 wins (``dist.broadcast``
+    wants its global rank: ``dist.get_global_rank(group, 0)``). Returns ``compute_bucket_assignment`` of
+    the parameters in that order, as lists of indices into ``params``."""
     ### BEGIN SOLUTION
     arrived = list(dict.fromkeys(ready_order))  # first arrival of each parameter
     seen = set(arrived)

@@ -24,6 +24,8 @@ from miniddp.by_hand.averaging import (
 )
 from miniddp.testing import backend_params, run_on_ranks
 
+from issued import Issued
+
 TIMEOUT = 60
 
 
@@ -52,26 +54,17 @@ def _average(rank, world_size, backend, predivide):
     trainable = [p for p in model.parameters() if p.requires_grad]
     for p, grad in zip(trainable, rank_grads(rank, model)):
         p.grad = grad.to(device)
-    calls = []  # count the collectives independently of the return value
-    real_all_reduce = dist.all_reduce
-
-    def counting_all_reduce(tensor, *args, **kwargs):
-        calls.append(tensor.numel())
-        return real_all_reduce(tensor, *args, **kwargs)
-
-    dist.all_reduce = counting_all_reduce
-    try:
+    with Issued() as seen:  # the collectives, counted independently of the return value
         issued = average_gradients(model, predivide=predivide)
-    finally:
-        dist.all_reduce = real_all_reduce
     assert model.frozen.grad is None
+    calls = [numel for op, numel in seen.ops if op == "allreduce_"]
     return issued, calls, [p.grad.cpu().tolist() for p in trainable]  # plain data crosses the pipe
 
 
 # --8<-- [start:average]
 @pytest.mark.parametrize("backend", backend_params(3))
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-@pytest.mark.parametrize("predivide", [True, False])
+@pytest.mark.parametrize("world_size", [1, 2, 3], ids=lambda n: f"world{n}")
+@pytest.mark.parametrize("predivide", [True, False], ids=["predivide", "postdivide"])
 def test_average_gradients_is_the_mean_over_ranks(backend, world_size, predivide):
     if backend == "nccl" and world_size > torch.cuda.device_count():
         pytest.skip("needs a GPU per rank")
@@ -79,13 +72,20 @@ def test_average_gradients_is_the_mean_over_ranks(backend, world_size, predivide
     model = make_model()
     per_rank = [rank_grads(r, model) for r in range(world_size)]
     expected = [torch.stack(gs).mean(0) for gs in zip(*per_rank)]
-    for issued, calls, grads in results:
-        assert issued == len(calls) == 4  # two weights, two biases; the frozen one is skipped
-        assert calls == [p.numel() for p in model.parameters() if p.requires_grad]
-        for got, want in zip(grads, expected):
-            torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=1e-12, atol=1e-12)
-    for _, _, grads in results[1:]:  # every rank holds the very same bits
-        assert grads == results[0][2]
+    names = [n for n, p in model.named_parameters() if p.requires_grad]  # two weights, two biases; not the frozen
+    sizes = [p.numel() for p in model.parameters() if p.requires_grad]
+    case = f"{world_size} rank(s), predivide={predivide}"
+    for rank, (issued, calls, grads) in enumerate(results):
+        assert calls == sizes, (f"{case}, rank {rank}: all-reduces of {calls} elements were issued; the naive "
+                                f"baseline issues one per gradient, in registration order: {sizes} ({names})")
+        assert issued == len(calls), f"{case}, rank {rank}: returned {issued}, but issued {len(calls)} all-reduces"
+        for name, got, want in zip(names, grads, expected):
+            torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=1e-12, atol=1e-12,
+                                       msg=lambda m, name=name, rank=rank: f"{case}, rank {rank}, {name}.grad is "
+                                       f"not the mean over ranks: {m}")
+    for rank, (_, _, grads) in enumerate(results[1:], 1):  # every rank holds the very same bits
+        for name, got, first in zip(names, grads, results[0][2]):
+            assert got == first, f"{case}: rank {rank}'s {name}.grad differs from rank 0's: {got} != {first}"
 # --8<-- [end:average]
 
 
@@ -101,9 +101,12 @@ def _average_list(rank, world_size):
 
 def test_average_gradients_accepts_params_and_skips_none_and_duplicates():
     results = run_on_ranks(_average_list, 2, timeout=TIMEOUT)
-    for issued, issued_gen, issued_one, grad in results:
-        assert (issued, issued_gen, issued_one) == (1, 0, 1)
-        assert grad == [1.5] * 3  # mean(1, 2) = 1.5, and the mean of equal values is itself
+    for rank, (issued, issued_gen, issued_one, grad) in enumerate(results):
+        for what, got, want in (("[w, w, b] (w listed twice, b without .grad)", issued, 1),
+                                ("a generator over [b]", issued_gen, 0), ("the tensor w alone", issued_one, 1)):
+            assert got == want, f"rank {rank}: average_gradients({what}) returned {got} all-reduces, not {want}"
+        assert grad == [1.5] * 3, (f"rank {rank}: w.grad is {grad}, not [1.5, 1.5, 1.5]: the mean of 1 and 2, "
+                                   "averaged once (then the mean of equal values is itself)")
 
 
 def _average_on_subgroup(rank, world_size):
@@ -116,7 +119,11 @@ def _average_on_subgroup(rank, world_size):
 
 def test_average_gradients_on_a_subgroup_leaves_non_members_alone():
     results = run_on_ranks(_average_on_subgroup, 3, timeout=TIMEOUT)
-    assert results == [(1, [2.0, 2.0]), (0, [1.0, 1.0]), (1, [2.0, 2.0])]  # mean(0, 4) = 2; rank 1 kept its 1
+    expected = [(1, [2.0, 2.0]), (0, [1.0, 1.0]), (1, [2.0, 2.0])]  # mean(0, 4) = 2; rank 1 kept its 1, issued 0
+    for rank, ((issued, grad), (want_issued, want_grad)) in enumerate(zip(results, expected)):
+        role = "outside the group [0, 2]" if rank == 1 else "in the group [0, 2]"
+        assert issued == want_issued, f"rank {rank} ({role}): returned {issued}, expected {want_issued}"
+        assert grad == want_grad, f"rank {rank} ({role}): .grad is {grad}, expected {want_grad}"
 
 
 # --- where to divide: before or after the SUM ----------------------------------------------------
@@ -138,13 +145,15 @@ def _fp16_division(rank, world_size, backend):
 # --8<-- [start:fp16]
 @pytest.mark.parametrize("backend", backend_params(4))
 def test_predivision_avoids_fp16_overflow_and_postdivision_avoids_underflow(backend):
-    for r in run_on_ranks(_fp16_division, 4, args=(backend,), backend=backend, timeout=TIMEOUT):
+    for rank, r in enumerate(run_on_ranks(_fp16_division, 4, args=(backend,), backend=backend, timeout=TIMEOUT)):
         # 4 x 40000 = 160000 > 65504: summing first overflows, dividing first does not
-        assert r["big_post"] == [float("inf")] * 4
-        assert r["big_pre"] == [40000.0] * 4
+        assert r["big_post"] == [float("inf")] * 4, (f"rank {rank}: predivide=False on float16 40000s gave "
+                                                     f"{r['big_post']}: the SUM (160000) comes first and overflows")
+        assert r["big_pre"] == [40000.0] * 4, f"rank {rank}: predivide=True on float16 40000s gave {r['big_pre']}"
         # the other side of the trade: 1e-7 / 4 is below fp16's smallest subnormal (6e-8)
-        assert r["tiny_pre"] == [0.0] * 4
-        assert r["tiny_post"] == r["tiny"] != [0.0] * 4
+        assert r["tiny_pre"] == [0.0] * 4, f"rank {rank}: predivide=True on float16 1e-7s gave {r['tiny_pre']}"
+        assert r["tiny_post"] == r["tiny"] != [0.0] * 4, (f"rank {rank}: predivide=False on float16 1e-7s gave "
+                                                          f"{r['tiny_post']}, not {r['tiny']}")
 # --8<-- [end:fp16]
 
 
@@ -221,15 +230,20 @@ def _ring_vs_collectives(rank, world_size, backend, cases):
         out = ring_all_reduce(ring)
         dist.all_reduce(reference)
         naive_all_reduce(naive)
-        assert out is ring, "ring_all_reduce must work in place and return its argument"
-        assert torch.equal(ring, reference), f"ring != dist.all_reduce for {shape} {dtype}"
-        assert torch.equal(naive, reference), f"naive != dist.all_reduce for {shape} {dtype}"
+        where = f"{world_size} ranks, rank {rank}, shape {shape} {dtype}{' transposed' if transposed else ''}"
+        assert out is ring, f"{where}: ring_all_reduce must work in place and return its argument"
+        if not torch.equal(ring, reference):
+            wrong = (ring != reference).flatten().nonzero().flatten().tolist()
+            raise AssertionError(f"{where}: ring_all_reduce != dist.all_reduce at flat element(s) {wrong[:8]} of "
+                                 f"{ring.numel()}: {ring.flatten()[wrong[:3]].tolist()} instead of "
+                                 f"{reference.flatten()[wrong[:3]].tolist()}")
+        assert torch.equal(naive, reference), f"{where}: naive_all_reduce != dist.all_reduce"
     return len(cases), non_contiguous
 
 
 # --8<-- [start:ring]
 @pytest.mark.parametrize("backend", backend_params(5))
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5], ids=lambda n: f"world{n}")
 def test_ring_all_reduce_equals_dist_all_reduce(backend, world_size):
     cases = ring_cases(seed=world_size)
     done = run_on_ranks(_ring_vs_collectives, world_size, args=(backend, cases), backend=backend, timeout=TIMEOUT)
@@ -257,8 +271,12 @@ def _ring_on_subgroups(rank, world_size, backend):
 @pytest.mark.parametrize("backend", backend_params(4))
 def test_ring_all_reduce_on_subgroups_uses_group_ranks(backend):
     results = run_on_ranks(_ring_on_subgroups, 4, args=(backend,), backend=backend, timeout=TIMEOUT)
-    assert [r[:2] for r in results] == [(True, True)] * 4
-    assert results[0][2] and not any(r[2] for r in results[1:])
+    for rank, (pairs, tail, untouched) in enumerate(results):
+        group = "[0, 2]" if rank % 2 == 0 else "[1, 3]"
+        assert pairs, f"rank {rank}: ring_all_reduce on the group {group} differs from dist.all_reduce on it"
+        assert tail, f"rank {rank}: ring_all_reduce on the group [1, 2, 3] differs from dist.all_reduce on it"
+        if rank == 0:
+            assert untouched, "rank 0 is not in the group [1, 2, 3]: its tensor must come back untouched"
 
 
 def _on_a_parameter(rank, world_size):
@@ -274,33 +292,28 @@ def test_ring_all_reduce_works_on_parameters_like_dist_all_reduce():
         assert ring == naive == [3.0] * 3 and requires_grad
 
 
+P2P = {"send", "recv_", "recv_any_source_"}  # the point-to-point operations, as the dispatcher names them
+
+
 def _ring_traffic(rank, world_size, numel):
-    sent, exchanges = [], 0
-    real_batch, real_all_reduce = dist.batch_isend_irecv, dist.all_reduce
-
-    def recording_batch(ops):
-        nonlocal exchanges
-        exchanges += 1
-        sent.extend(op.tensor.numel() for op in ops if op.op is dist.isend)
-        return real_batch(ops)
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("ring_all_reduce must use point-to-point messages only")
-
-    dist.batch_isend_irecv, dist.all_reduce = recording_batch, forbidden
-    try:
+    with Issued() as seen:
         ring_all_reduce(torch.ones(numel))
-    finally:
-        dist.batch_isend_irecv, dist.all_reduce = real_batch, real_all_reduce
-    return exchanges, sum(sent)
+    sends = [n for op, n in seen.ops if op == "send"]
+    return sends, sorted({op for op, _ in seen.ops} - P2P)
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [2, 3, 4], ids=lambda n: f"world{n}")
 def test_each_rank_sends_2_n_minus_1_over_n_of_the_tensor(world_size):
-    numel = 1200  # divisible by 2, 3 and 4
-    for exchanges, sent in run_on_ranks(_ring_traffic, world_size, args=(numel,), timeout=TIMEOUT):
-        assert exchanges == 2 * (world_size - 1)
-        assert sent == 2 * (world_size - 1) * numel // world_size
+    """Counted at the dispatcher: every message a rank sends (``dist.send``, ``dist.isend``, an isend ``P2POp``
+    in ``batch_isend_irecv``: each is one ``c10d::send``) and every collective it issues, whatever the name."""
+    numel, n = 1200, world_size  # divisible by 2, 3 and 4
+    steps, chunk = 2 * (n - 1), numel // n
+    for rank, (sends, collectives) in enumerate(run_on_ranks(_ring_traffic, n, args=(numel,), timeout=TIMEOUT)):
+        assert not collectives, (f"{n} ranks, rank {rank}: ring_all_reduce issued the collective(s) {collectives}; "
+                                 "a ring uses point-to-point sends and receives only")
+        assert len(sends) == steps and sum(sends) == steps * chunk, (
+            f"{n} ranks, rank {rank}: counted {len(sends)} sends of {sum(sends)} elements in all ({sends}); a ring "
+            f"of {n} sends one chunk per step: {steps} sends of {chunk} elements, {steps * chunk} of the {numel}")
 
 
 # --- the schedule and the chunks, without any process group --------------------------------------
@@ -316,20 +329,35 @@ def test_chunk_bounds_tile_the_tensor_with_sizes_differing_by_at_most_one(numel,
     assert max(sizes) - min(sizes) <= 1
 
 
-@pytest.mark.parametrize("world_size", range(1, 10))
+def _phase_names_message(rank, phases, n):
+    return (f"ring_schedule({rank}, {n}) names its steps' phases {phases}: expected the literal strings, "
+            f"{n - 1} x 'reduce-scatter' then {n - 1} x 'all-gather' (the docstring's names)")
+
+
+@pytest.mark.parametrize("world_size", range(1, 10), ids=lambda n: f"world{n}")
 def test_ring_schedule_sums_every_chunk_everywhere(world_size):
     """Simulate the ring with sets of contributors instead of numbers."""
     n = world_size
     held = [[{r} for _ in range(n)] for r in range(n)]  # held[rank][chunk] = ranks summed into it
     schedules = [ring_schedule(r, n) for r in range(n)]
-    assert all(len(s) == 2 * (n - 1) for s in schedules)
+    for r, schedule in enumerate(schedules):
+        assert len(schedule) == 2 * (n - 1), f"ring_schedule({r}, {n}) has {len(schedule)} steps, not 2(n-1)"
+        phases = [step[0] for step in schedule]
+        assert phases == ["reduce-scatter"] * (n - 1) + ["all-gather"] * (n - 1), _phase_names_message(r, phases, n)
     for step in range(2 * (n - 1)):
         messages = [(schedules[r][step], set(held[r][schedules[r][step][1]])) for r in range(n)]
         for r in range(n):
             (phase, sent, _), payload = messages[(r - 1) % n]  # from the left neighbour
             recv = schedules[r][step][2]
-            assert sent == recv  # sender and receiver agree on the chunk (and on its size)
+            assert sent == recv, (f"step {step}: rank {r} receives chunk {recv} from its left neighbour, rank "
+                                  f"{(r - 1) % n}, which sends it chunk {sent}")  # and so of another size
             held[r][recv] = held[r][recv] | payload if phase == "reduce-scatter" else payload
-        if step == n - 2:  # end of reduce-scatter: rank r owns chunk r + 1, fully summed
-            assert all(held[r][(r + 1) % n] == set(range(n)) for r in range(n))
-    assert all(chunk == set(range(n)) for rank in held for chunk in rank)
+        if step == n - 2:  # end of reduce-scatter: each rank owns one chunk, summed over every rank
+            for r in range(n):
+                full = [c for c in range(n) if held[r][c] == set(range(n))]
+                assert full, (f"after the {n - 1} reduce-scatter steps rank {r} holds no chunk summed over every "
+                              f"rank; its chunks hold the sums of {[sorted(c) for c in held[r]]}")
+    for r in range(n):
+        partial = [c for c in range(n) if held[r][c] != set(range(n))]
+        assert not partial, (f"after all {2 * (n - 1)} steps rank {r}'s chunks {partial} hold the sums of "
+                             f"{[sorted(held[r][c]) for c in partial]} only, not of all {n} ranks")

@@ -12,6 +12,7 @@ from miniddp.diagnostics.trace import Tracer
 from miniddp.engine.bucketing import Bucket, MiB, bucket_size_limits
 from miniddp.testing import run_on_ranks
 
+from issued import Issued  # the collectives a rank issues, seen at the dispatcher
 from models import MODELS
 
 
@@ -24,18 +25,21 @@ def _t(numel, dtype=torch.float32):
 
 
 # PyTorch's own cases (test/distributed/test_c10d_common.py, ComputeBucketAssignmentTest)
-TORCH_CASES = [
-    ([_t(50)] * 4, [400], [[0, 1], [2, 3]]),  # single limit, single dtype
-    ([_t(10)] * 4, [40, 80], [[0], [1, 2], [3]]),  # limits in sequence, the last repeating
-    ([_t(50), _t(25, torch.float64)] * 3, [400], [[0, 2], [1, 3], [4], [5]]),  # one open bucket per dtype
-    ([_t(50), _t(25, torch.float64)] * 3, [200, 400], [[0], [1], [2, 4], [3, 5]]),  # limits per dtype
-    ([_t(100), _t(200), _t(100), _t(50)], [400], [[0], [1], [2], [3]]),  # a tensor over the limit
-]
+TORCH_CASES = {
+    "single_limit": ([_t(50)] * 4, [400], [[0, 1], [2, 3]]),
+    "limits_in_sequence_the_last_repeating": ([_t(10)] * 4, [40, 80], [[0], [1, 2], [3]]),
+    "one_open_bucket_per_dtype": ([_t(50), _t(25, torch.float64)] * 3, [400], [[0, 2], [1, 3], [4], [5]]),
+    "limits_per_dtype": ([_t(50), _t(25, torch.float64)] * 3, [200, 400], [[0], [1], [2, 4], [3, 5]]),
+    "a_tensor_over_the_limit": ([_t(100), _t(200), _t(100), _t(50)], [400], [[0], [1], [2], [3]]),
+}
 
 
-@pytest.mark.parametrize("tensors, limits, expected", TORCH_CASES)
-def test_pytorch_cases(tensors, limits, expected):
-    assert miniddp.compute_bucket_assignment(tensors, limits) == expected
+@pytest.mark.parametrize("case", list(TORCH_CASES))
+def test_pytorch_cases(case):
+    tensors, limits, expected = TORCH_CASES[case]
+    got = miniddp.compute_bucket_assignment(tensors, limits)
+    described = [f"{t.numel() * t.element_size()} B {str(t.dtype)[6:]}" for t in tensors]
+    assert got == expected, f"{case}: tensors {described}, limits {limits}: got {got}, torch's is {expected}"
     assert _oracle(tensors, limits) == expected
 
 
@@ -49,7 +53,9 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 )
 def test_equals_torch_on_generated_cases(specs, limits):
     tensors = [_t(n, d) for n, d in specs]
-    assert miniddp.compute_bucket_assignment(tensors, limits) == _oracle(tensors, limits)
+    got, expected = miniddp.compute_bucket_assignment(tensors, limits), _oracle(tensors, limits)
+    described = [f"{t.numel() * t.element_size()} B {str(t.dtype)[6:]}" for t in tensors]
+    assert got == expected, f"tensors {described}, limits {limits}: got {got}, torch's is {expected}"
 
 
 def test_defaults_are_torchs():
@@ -117,26 +123,77 @@ def test_buckets_reduce_in_reverse_registration_order():
     # torch DDP's rule (with find_unused_parameters=True; without, torch 2.x starts with one
     # bucket): fill in registration order with the cap, then reverse the list of buckets
     expected = [[names[i] for i in b] for b in reversed(_oracle(list(params.values()), [int(0.0001 * MiB)]))]
-    assert before == expected == [["fc3.bias"], ["fc2.bias", "fc3.weight"], ["fc1.bias", "fc2.weight"], ["fc1.weight"]]
+    assert expected == [["fc3.bias"], ["fc2.bias", "fc3.weight"], ["fc1.bias", "fc2.weight"], ["fc1.weight"]]
+    assert before == expected, (f"MLP's buckets at wrap (cap 0.0001 MiB) are {before}: torch's assignment in "
+                                f"registration order, reversed, is {expected}")
     assert ready[0] == "fc3.bias"  # the last layer's gradients arrive first
 
 
+def _launches(rank, world_size, model_name, cap, steps):
+    """Per step: the buckets it ran with, the order gradients arrived (the test's own hooks, after the reducer's
+    on each parameter) and the sizes of the all-reduces issued, in order (at the dispatcher, whoever issues
+    them); and the buckets at the end. A step that raises ends the run, its error returned."""
+    torch.manual_seed(0)
+    model = MODELS[model_name]()
+    ddp = miniddp.DistributedDataParallel(model, bucket_cap_mb=cap)
+    arrived = []
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _, name=name: arrived.append(name))
+    out = []
+    for step in range(steps):
+        arrived.clear()
+        torch.manual_seed(rank + 10 * step)
+        loss, error = F.mse_loss(ddp(torch.randn(4, 8)), torch.zeros(4, 4)), None
+        buckets = ddp.bucket_assignment  # after the forward: a rebuild happens at the second one
+        with Issued() as seen:
+            try:
+                loss.backward()
+            except Exception as err:  # noqa: BLE001 - the launch order is still reported
+                error = f"{type(err).__name__}: {err}"
+        out.append((buckets, list(arrived), [n for op, n in seen.ops if op == "allreduce_"], error))
+        if error:
+            break
+    return out, ddp.bucket_assignment
+
+
+def _completion_order(buckets, arrived) -> list[int]:
+    """The buckets in the order their last gradient arrived."""
+    last = {b: max(arrived.index(n) for n in names) for b, names in enumerate(buckets)}
+    return sorted(last, key=last.get)
+
+
 def test_buckets_launch_in_order_on_every_rank():
-    results = run_on_ranks(_assignment_and_trace, 3, args=("mlp", 0.0002, 2), timeout=60)
-    for _, after, _, launched, _ in results:
-        assert launched == sorted(launched) == list(range(len(after)))
+    # ReverseOrder's first backward completes the buckets last to first (its gradients arrive in the
+    # reverse of the first buckets' order): a reducer must still launch bucket 0, then 1, ..., as torch does
+    results = run_on_ranks(_launches, 3, args=("reverse_order", 0.0002, 2), timeout=60)
+    sizes = {n: p.numel() for n, p in MODELS["reverse_order"]().named_parameters()}
+    first_buckets, arrived = results[0][0][0][:2]
+    assert _completion_order(first_buckets, arrived) != list(range(len(first_buckets)))  # the test can fail
+    for rank, (steps, _) in enumerate(results):
+        for step, (buckets, arrived, all_reduces, error) in enumerate(steps):
+            numels = [sum(sizes[n] for n in names) for names in buckets]
+            assert len(set(numels)) == len(numels), numels  # the test's own premise: a size names its bucket
+            launched = [numels.index(n) for n in all_reduces if n in numels]
+            assert launched == list(range(len(buckets))), (
+                f"rank {rank}, step {step}: buckets launched in the order {launched} (all-reduces of {all_reduces} "
+                f"elements), not 0..{len(buckets) - 1}; they completed in the order "
+                f"{_completion_order(buckets, arrived)}. Buckets: {buckets}")
+            assert error is None, f"rank {rank}, step {step}: {error}"
     assert len({str(r[1]) for r in results}) == 1  # every rank agrees on the buckets
 
 
 def test_rebuild_follows_the_order_gradients_arrived():
     # ReverseOrder registers last, middle, first but runs first, middle, last: registration
     # order puts "first" in the first-reduced bucket, yet its gradient arrives last
-    [(before, after, ready, launched, _)] = run_on_ranks(_assignment_and_trace, 2, args=("reverse_order", 0.0002, 2),
-                                                         timeout=60)[:1]
+    [(steps, after)] = run_on_ranks(_launches, 2, args=("reverse_order", 0.0002, 2), timeout=60)[:1]
+    errors = [f"step {step}: {error}" for step, (*_, error) in enumerate(steps) if error]
+    assert not errors, errors[0]
+    (before, first_arrived, _, _), (_, arrived, _, _) = steps
     assert before[0][0].startswith("first")
-    assert after[0][0].startswith("last") and after[-1][-1].startswith("first")
     flat_after = [n for bucket in after for n in bucket]
-    assert flat_after == ready  # second iteration: buckets fill exactly in arrival order
+    assert flat_after == first_arrived, (f"the buckets after the first step, {after}, are not filled in the order "
+                                         f"the first backward's gradients arrived: {first_arrived}")
+    assert flat_after == arrived  # the second backward's gradients arrive in that order too: each bucket fills in turn
 
 
 class _TwoBranches(torch.nn.Module):
@@ -172,12 +229,17 @@ def _rebuilt_across_rank_dependent_orders(rank, world_size):
 
 def test_rebuilt_buckets_are_rank_0s_order_when_ranks_see_different_orders():
     results = run_on_ranks(_rebuilt_across_rank_dependent_orders, 2, timeout=60)
-    assert results[0][1] == results[1][1]  # one agreed assignment: rank 0's arrival order
-    assert results[0][1][0][0].startswith("b.")  # rank 0 runs a first, so b's gradients arrive first
-    for grads, _ in results:
+    assert results[0][1] == results[1][1], (f"rank 0 rebuilt the buckets {results[0][1]}, rank 1 {results[1][1]}: "
+                                            "every rank must build the same ones, from rank 0's arrival order")
+    assert results[0][1][0][0].startswith("b."), (f"the rebuilt buckets are {results[0][1]}: rank 0 runs a first, "
+                                                  "so b's gradients arrive first there and its order wins")
+    names = [n for n, _ in _TwoBranches(flip=False).named_parameters()]
+    for rank, (grads, _) in enumerate(results):
         theirs, ours = grads[:3], grads[3:]
         for step, (t, o) in enumerate(zip(theirs, ours)):
-            assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(t, o)), f"step {step} differs from torch DDP"
+            for name, x, y in zip(names, t, o):
+                assert torch.allclose(x, y, atol=1e-6), (f"rank {rank}, step {step}: {name}.grad differs from torch "
+                                                         f"DDP's by {(x - y).abs().max().item():.2e}")
 
 
 def _launched_before_the_last_gradient(events) -> list[int]:

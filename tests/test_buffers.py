@@ -58,14 +58,16 @@ def _buffers_seen_by_forward(rank, world_size, broadcast):
     return torch.stack(model.log)
 
 
-@pytest.mark.parametrize("broadcast", [True, False])
+@pytest.mark.parametrize("broadcast", [True, False], ids=["broadcast_buffers", "no_broadcast"])
 def test_buffers_equal_rank_0s_at_every_forward_only_when_broadcast(broadcast):
     a, b = run_on_ranks(_buffers_seen_by_forward, 2, args=(broadcast,), timeout=60)
     if broadcast:
-        assert torch.equal(a, b)  # each forward starts from rank 0's running stats
+        for step, (x, y) in enumerate(zip(a, b)):  # each forward starts from rank 0's running stats
+            assert torch.equal(x, y), f"broadcast_buffers=True: at forward {step} rank 1's running_mean is not rank 0's"
     else:
-        assert torch.equal(a[0], b[0])  # equal only before anyone trained...
-        assert not torch.allclose(a[1:], b[1:])  # ...then BatchNorm statistics drift apart
+        assert torch.equal(a[0], b[0]), "the wrap must make the buffers equal"  # equal only before anyone trained...
+        assert not torch.allclose(a[1:], b[1:]), ("broadcast_buffers=False: the ranks' running means became equal; "
+                                                  "each must keep its own")  # ...then BatchNorm statistics drift apart
 
 
 def _buffers_before_and_after(rank, world_size):
@@ -84,8 +86,12 @@ def test_each_forward_starts_from_rank_0s_buffers_not_another_ranks():
     """Equal on every rank is not enough: the buffers must be rank 0's (torch broadcasts from rank 0)."""
     results = run_on_ranks(_buffers_before_and_after, 3, timeout=60)
     rank0_after = results[0][1]
-    for seen, _ in results:
-        assert torch.equal(seen[1:], rank0_after[:-1])  # forward k+1 starts from rank 0's state after step k
+    for rank, (seen, _) in enumerate(results):  # forward k+1 starts from rank 0's state after step k
+        for step in range(1, len(seen)):
+            owner = next((r for r, (_, after) in enumerate(results) if torch.equal(seen[step], after[step - 1])), None)
+            assert torch.equal(seen[step], rank0_after[step - 1]), (
+                f"rank {rank}'s forward {step} starts from {'no rank' if owner is None else f'rank {owner}'}'s "
+                f"running_mean after step {step - 1}, not rank 0's")
     assert not torch.equal(results[0][1], results[2][1])  # the ranks' own updates differ: the check can fail
 
 
@@ -102,7 +108,7 @@ def _two_forwards_one_backward(rank, world_size):
 
 def test_two_forwards_before_one_backward():
     a, b = run_on_ranks(_two_forwards_one_backward, 2, timeout=60)
-    assert torch.allclose(a, b)
+    assert torch.allclose(a, b), "after two forwards and one backward the ranks' gradients differ"
 
 
 def _mismatch(rank, world_size, kind):
@@ -142,4 +148,5 @@ def _coalesced_vs_naive(rank, world_size):
 
 
 def test_coalesced_broadcast_equals_one_broadcast_per_tensor():
-    assert run_on_ranks(_coalesced_vs_naive, 3, timeout=60) == [True, True, True]
+    for rank, same in enumerate(run_on_ranks(_coalesced_vs_naive, 3, timeout=60)):
+        assert same, f"rank {rank}: broadcast_coalesced(bucket_bytes=40) gave other values than a broadcast per tensor"

@@ -123,16 +123,19 @@ def test_matches_torch_ddp(case):
     results = run_on_ranks(_parity, world_size, args=("gloo", model_name, options, 4, accumulation, branch_on),
                            timeout=90)
     for rank, (grad_diff, param_diff, spread) in enumerate(results):
-        assert grad_diff < 1e-5, f"rank {rank}: gradients differ from torch DDP by {grad_diff}"
-        assert param_diff < 1e-5, f"rank {rank}: parameters differ from torch DDP by {param_diff}"
-        assert spread == 0.0, f"rank {rank}: ranks hold different parameters ({spread})"
+        assert grad_diff < 1e-5, f"{case}, rank {rank}: gradients differ from torch DDP by {grad_diff:.2e}"
+        assert param_diff < 1e-5, f"{case}, rank {rank}: parameters differ from torch DDP by {param_diff:.2e}"
+        assert spread == 0.0, f"{case}, rank {rank}: ranks hold different parameters ({spread:.2e} apart)"
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 4], ids=lambda n: f"world{n}")
 def test_matches_torch_ddp_at_several_world_sizes(world_size):
     results = run_on_ranks(_parity, world_size, args=("gloo", "mlp", {"bucket_cap_mb": 0.001}, 3, 2, _always),
                            timeout=90)
-    assert max(max(r[0], r[1]) for r in results) < 1e-5 and all(r[2] == 0.0 for r in results)
+    for rank, (grad_diff, param_diff, spread) in enumerate(results):
+        assert max(grad_diff, param_diff) < 1e-5, (f"{world_size} ranks, rank {rank}: gradients differ from torch "
+                                                   f"DDP by {grad_diff:.2e}, parameters by {param_diff:.2e}")
+        assert spread == 0.0, f"{world_size} ranks, rank {rank}: ranks hold different parameters ({spread:.2e} apart)"
 
 
 @pytest.mark.parametrize("backend", backend_params(1))
@@ -186,7 +189,9 @@ def _against_one_process(rank, world_size, steps):
 
 
 def test_equals_one_process_on_the_global_batch():
-    assert max(run_on_ranks(_against_one_process, 3, args=(5,), timeout=60)) < 1e-5
+    for rank, diff in enumerate(run_on_ranks(_against_one_process, 3, args=(5,), timeout=60)):
+        assert diff < 1e-5, (f"rank {rank}: after 5 steps on its shard, the parameters differ from one process "
+                             f"trained on the whole global batch by {diff:.2e}")
 
 
 def _without_ddp(rank, world_size):

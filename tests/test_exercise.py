@@ -1,10 +1,12 @@
 """`miniddp exercise`: the spec checks a learner's file, and can fail.
 
-For every exercise: the reference (its source without the solution markers) passes through the
-swap, the untouched skeleton fails, and each classic mistake fails the spec item that explains it.
-A mistake is the reference with one edit, the way a learner gets it wrong. To keep the suite fast,
-one pytest session checks all of an exercise's implementations: the reference on its whole spec,
-the skeleton on one item, each mistake on the items it must fail.
+For every exercise: a correct solution written apart from the reference
+(``tests/exercise_independent/<exercise>.py``) passes the whole spec through the swap, the
+untouched skeleton fails, and each classic mistake fails the spec item that explains it. A mistake
+is the reference with one edit, the way a learner gets it wrong. To keep the suite fast, one pytest
+session checks all of an exercise's implementations: each independent solution on the whole spec,
+the reference (whose whole spec the plain suite runs) and the skeleton on the first item, each
+mistake on the items it must fail.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from miniddp.exercise.skeleton import BEGIN, END, make_skeleton, reference_witho
 from miniddp.exercise.swap import LearnerFileError
 
 ROOT = Path(__file__).resolve().parents[1]
+INDEPENDENT = ROOT / "tests" / "exercise_independent"  # correct solutions unlike the reference: the spec is fair
 HANG_TIMEOUT_S = 15  # the wrong-way ring deadlocks on uneven chunks: the check's timeout stops it
 S, A, B = "tests/test_sharding.py::", "tests/test_averaging.py::", "tests/test_bucketing.py::"
 N, F, H = "tests/test_no_sync.py::", "tests/test_buffers.py::", "tests/test_comm_hooks.py::"
@@ -93,6 +96,10 @@ MISTAKES = {
         ("each rank rebuilds the buckets in its own arrival order: buckets differ across ranks",
          "    dist.broadcast(agreed, src=dist.get_global_rank(group, 0), group=group)  # rank 0's order wins\n",
          "", [B + "test_rebuilt_buckets_are_rank_0s_order_when_ranks_see_different_orders"]),
+        ("the rebuild ignores the arrival order (and the broadcast): the wrap's buckets again",
+         "    arrived = list(dict.fromkeys(ready_order))  # first arrival of each parameter\n",
+         "    return list(reversed(compute_bucket_assignment(params, size_limits)))\n",
+         [B + "test_rebuild_follows_the_order_gradients_arrived"]),
     ],
     "no_sync": [
         ("syncs one micro-step early (step % k == 0)", "return (step + 1) % gradient_accumulation_steps == 0",
@@ -135,13 +142,16 @@ MISTAKES = {
          [H + "test_hooks_give_torchs_parameters_and_count_their_bytes"]),
     ],
     "reducer": [
-        ("buckets launched as they complete, not in bucket order",
+        ("a bucket launched as soon as it is complete, not in bucket order",
          "self.observers.grad_ready(i, self.names[i])\n        self._launch(state)\n",
          "self.observers.grad_ready(i, self.names[i])\n        if state.pending[b] == 0:\n"
          "            self._communicate(state, bucket)\n",
-         [D + "test_matches_torch_ddp"]),
+         [B + "test_buckets_launch_in_order_on_every_rank"]),
         ("the default path forgets to divide by N", "bucket.put(k, grad, state.divisor if self.hook is None else 1)",
          "bucket.put(k, grad, 1)", [D + "test_matches_torch_ddp_at_several_world_sizes"]),
+        ("divides by N on the comm-hook path too: the hook divides a second time",
+         "bucket.put(k, grad, state.divisor if self.hook is None else 1)", "bucket.put(k, grad, state.divisor)",
+         [H + "test_a_registered_hook_trains_as_torch_ddp_with_the_same_hook"]),
         ("the averaged buckets never written back into .grad",
          "                bucket.write_back(result, counts, self.as_view)  # the one place that sets .grad",
          "                pass", [D + "test_equals_one_process_on_the_global_batch"]),
@@ -182,6 +192,11 @@ MISTAKES = {
 }
 
 
+def _independent(name: str) -> list[Path]:
+    """The correct solutions of exercise ``name`` written apart from the reference."""
+    return sorted(INDEPENDENT.glob(f"{name}.py")) + sorted(INDEPENDENT.glob(f"{name}_*.py"))
+
+
 def _reference(name: str) -> str:
     return reference_without_markers((ROOT / BY_NAME[name].source).read_text(encoding="utf-8"))
 
@@ -198,6 +213,7 @@ def test_every_exercise_has_three_mistakes_and_its_spec_items_exist():
                                            "join"]
     for e in EXERCISES:
         assert len(MISTAKES[e.name]) >= 3, e.name
+        assert _independent(e.name), f"no correct solution written apart from the reference: {INDEPENDENT}/{e.name}.py"
         for test in [item.test for item in e.spec]:
             file, _, function = test.partition("::")
             assert f"def {function}(" in (ROOT / file).read_text(encoding="utf-8"), test
@@ -207,19 +223,28 @@ def test_every_exercise_has_three_mistakes_and_its_spec_items_exist():
 
 @pytest.mark.parametrize("name", [e.name for e in EXERCISES])
 def test_the_reference_passes_the_skeleton_fails_and_each_mistake_fails_its_item(tmp_path, name):
-    chosen, reference = BY_NAME[name], _reference(name)
+    chosen, reference, independent = BY_NAME[name], _reference(name), _independent(name)
     first = [chosen.spec[0].test]
-    # One pytest session checks them all: the reference through its whole spec, the skeleton on the
-    # first item, each mistake on the items it must fail.
+    assert independent, f"no correct solution written apart from the reference: {INDEPENDENT}/{name}.py"
+    # One pytest session checks them all: the reference through the swap on the first item (the plain suite
+    # runs its whole spec), each independent solution through the whole spec, the skeleton on the first item,
+    # each mistake on the items it must fail.
     skeleton = make_skeleton((ROOT / chosen.source).read_text(encoding="utf-8"), chosen.names, chosen.page, name)
-    checks = [(name, _write(tmp_path, "reference", reference), None, 120),
+    checks = [(name, _write(tmp_path, "reference", reference), first, 120),
               (name, _write(tmp_path, "skeleton", skeleton), first, 120)]
+    # copied out of tests/, as a learner's file sits outside the spec's own modules
+    checks += [(name, _write(tmp_path, f"independent{n}", path.read_text(encoding="utf-8")), None, 120)
+               for n, path in enumerate(independent)]
     mistakes = MISTAKES[name]
     for n, (why, old, new, must_fail) in enumerate(mistakes):
         assert reference.count(old) == 1, why  # the mistake still applies to the reference's text
         checks.append((name, _write(tmp_path, f"mistake{n}", reference.replace(old, new)), must_fail, HANG_TIMEOUT_S))
-    passed, [skeleton_item], *wrong = run_checks(checks)
+    passed, [skeleton_item], *rest = run_checks(checks)
+    solutions, wrong = rest[: len(independent)], rest[len(independent) :]
     assert passed and all(i["passed"] for i in passed), passed
+    for path, items in zip(independent, solutions):
+        failing = [f"{i['test']}: {i['reason']}" for i in items if not i["passed"]]
+        assert not failing, f"{path.name}, correct and written apart from the reference, fails {failing}"
     assert not skeleton_item["passed"] and "NotImplementedError" in skeleton_item["reason"], skeleton_item
     for (why, *_), items in zip(mistakes, wrong):  # a hanging ring: stopped by the timeout, and named
         assert items and not any(i["passed"] for i in items), why

@@ -49,8 +49,12 @@ def _accumulate(rank, world_size, k):
 def test_inside_no_sync_gradients_stay_local_then_sync_averages_the_sums():
     results = run_on_ranks(_accumulate, 2, args=(3,), timeout=60)
     (inside0, local0, synced0, mean0), (inside1, local1, synced1, _) = results
-    assert not torch.allclose(inside0[-1], inside1[-1])  # negative: no communication inside
-    assert torch.allclose(synced0, mean0, atol=1e-6) and torch.allclose(synced1, mean0, atol=1e-6)
+    assert not torch.allclose(inside0[-1], inside1[-1]), ("inside no_sync the ranks' gradients became equal: they "
+                                                          "must stay each rank's own local sums")  # no communication
+    for rank, synced in enumerate((synced0, synced1)):
+        assert torch.allclose(synced, mean0, atol=1e-6), (
+            f"rank {rank}: after the synced backward the gradients differ from the mean over ranks of the local sums "
+            f"of all 3 micro-batches by {(synced - mean0).abs().max().item():.2e}")
     assert not torch.allclose(local0, synced0)  # the sync really changed something
 
 
@@ -90,10 +94,14 @@ def _forward_placement(rank, world_size, which):
     return out
 
 
-@pytest.mark.parametrize("which, synced", [("forward_inside", False), ("backward_inside", True)])
+@pytest.mark.parametrize("which, synced", [("forward_inside", False), ("backward_inside", True)],
+                         ids=["forward_inside_no_sync", "only_backward_inside_no_sync"])
 def test_what_counts_is_where_the_forward_ran_as_in_torch(which, synced):
-    for out in run_on_ranks(_forward_placement, 2, args=(which,), timeout=60):
-        assert out == {"ours": synced, "torch": synced}
+    for rank, out in enumerate(run_on_ranks(_forward_placement, 2, args=(which,), timeout=60)):
+        assert out["torch"] == synced  # torch's DDP: the oracle
+        assert out["ours"] == synced, (f"rank {rank}, {which.replace('_', ' ')} no_sync: the gradients were "
+                                       f"{'' if out['ours'] else 'not '}averaged; torch's DDP "
+                                       f"{'averages' if synced else 'does not'}")
 
 
 def _forward_in_between(rank, world_size, mode):
@@ -119,11 +127,12 @@ def test_a_forward_in_between_does_not_disarm_the_pending_sync(mode):
 
 
 def test_should_sync_syncs_the_last_micro_batch_of_each_window():
-    assert [s for s in range(10) if miniddp.should_sync(s, 4, num_batches=10)] == [3, 7, 9]
-    assert [s for s in range(6) if miniddp.should_sync(s, 1)] == list(range(6))
-    assert miniddp.accumulation_windows(10, 4) == [4, 4, 2]
-    assert miniddp.accumulation_windows(8, 4) == [4, 4]
-    assert miniddp.accumulation_windows(3, 5) == [3]
+    for k, n, expected in ((4, 10, [3, 7, 9]), (1, None, list(range(10))), (4, None, [3, 7])):
+        syncs = [s for s in range(10 if n is None else n) if miniddp.should_sync(s, k, num_batches=n)]
+        assert syncs == expected, f"should_sync(step, {k}, num_batches={n}) is True at steps {syncs}, not {expected}"
+    for n, k, expected in ((10, 4, [4, 4, 2]), (8, 4, [4, 4]), (3, 5, [3])):
+        windows = miniddp.accumulation_windows(n, k)
+        assert windows == expected, f"accumulation_windows({n}, {k}) is {windows}, not {expected}"
 
 
 @pytest.mark.parametrize("bad", [0, -2])
@@ -175,5 +184,6 @@ def _right(step, k, n):
 def test_the_schedule_matches_one_process_and_the_off_by_one_does_not():
     right = run_on_ranks(_train_with_schedule, 2, args=(_right, 4, 10), timeout=60)
     wrong = run_on_ranks(_train_with_schedule, 2, args=(_off_by_one, 4, 10), timeout=60)
-    assert max(right) < 1e-5
+    assert max(right) < 1e-5, (f"4 micro-batches per window, no_sync on all but the last (should_sync), 10 in all: "
+                               f"the parameters differ from one process on every rank's batches by {max(right):.2e}")
     assert min(wrong) > 1e-3  # the test can tell: syncing the first micro-batch is caught

@@ -57,21 +57,32 @@ def test_same_indices_as_torch_distributed_sampler(cfg, rank_frac, epoch):
     theirs = DistributedSampler(Sized(cfg["n"]), cfg["replicas"], rank, **kw)
     ours.set_epoch(epoch)
     theirs.set_epoch(epoch)
-    assert list(ours) == list(theirs)
-    assert len(ours) == len(theirs)
-    assert (ours.num_samples, ours.total_size) == (theirs.num_samples, theirs.total_size)
+    case = f"len {cfg['n']}, rank {rank} of {cfg['replicas']}, epoch {epoch}, {kw}"
+    _same_indices(list(ours), list(theirs), case)
+    assert len(ours) == len(theirs), f"{case}: len(sampler) is {len(ours)}, torch's {len(theirs)}"
+    assert (ours.num_samples, ours.total_size) == (theirs.num_samples, theirs.total_size), (
+        f"{case}: (num_samples, total_size) is {(ours.num_samples, ours.total_size)}, torch's "
+        f"{(theirs.num_samples, theirs.total_size)}")
+
+
+def _same_indices(ours, theirs, case):
+    if ours != theirs:
+        at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        raise AssertionError(f"{case}: {len(ours)} indices, torch's {len(theirs)}; the first difference at "
+                             f"position {at}: {ours[at:at + 3]} where torch yields {theirs[at:at + 3]}")
 # --8<-- [end:parity]
 
 
-@pytest.mark.parametrize("n,replicas", [(0, 1), (0, 4), (1, 1), (1, 7), (3, 10), (5, 5), (6, 4), (2, 9), (17, 16)])
-@pytest.mark.parametrize("drop_last", [False, True])
-@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("n,replicas", [(0, 1), (0, 4), (1, 1), (1, 7), (3, 10), (5, 5), (6, 4), (2, 9), (17, 16)],
+                         ids=lambda v: str(v))
+@pytest.mark.parametrize("drop_last", [False, True], ids=["pad", "drop_last"])
+@pytest.mark.parametrize("shuffle", [False, True], ids=["in_order", "shuffle"])
 def test_edge_cases_match_torch(n, replicas, drop_last, shuffle):
     """Empty datasets, fewer samples than ranks (padding wraps several times), one rank."""
     for rank in range(replicas):
         kw = dict(shuffle=shuffle, drop_last=drop_last, seed=3)
-        assert list(ShardSampler(Sized(n), replicas, rank, **kw)) == list(
-            DistributedSampler(Sized(n), replicas, rank, **kw))
+        ours, theirs = ShardSampler(Sized(n), replicas, rank, **kw), DistributedSampler(Sized(n), replicas, rank, **kw)
+        _same_indices(list(ours), list(theirs), f"len {n}, rank {rank} of {replicas}, {kw}")
 
 
 def test_padding_wraps_several_times_when_fewer_samples_than_ranks():
@@ -86,8 +97,8 @@ def test_padding_wraps_several_times_when_fewer_samples_than_ranks():
 def test_every_rank_gets_the_same_number_of_samples(cfg):
     """Equal lengths -> equal step counts -> no rank left waiting in an all-reduce."""
     n, replicas = cfg.pop("n"), cfg.pop("replicas")
-    lengths = {len(s) for s in shards(n, replicas, **cfg)}
-    assert len(lengths) == 1
+    lengths = [len(s) for s in shards(n, replicas, **cfg)]
+    assert len(set(lengths)) == 1, f"len {n}, {replicas} ranks, {cfg}: the ranks get {lengths} samples"
 
 
 @settings(max_examples=150, deadline=None)
@@ -96,14 +107,17 @@ def test_shards_cover_the_data_and_overlap_only_by_padding(cfg):
     n, replicas = cfg.pop("n"), cfg.pop("replicas")
     everything = [i for s in shards(n, replicas, **cfg) for i in s]
     counts = Counter(everything)
+    case, twice = f"len {n}, {replicas} ranks, {cfg}", sorted(i for i, c in counts.items() if c > 1)
     if cfg["drop_last"]:  # the tail is dropped, nothing repeats
-        assert len(everything) == n - n % replicas
-        assert max(counts.values(), default=1) == 1
+        assert len(everything) == n - n % replicas, f"{case}: {len(everything)} indices in all, not {n - n % replicas}"
+        assert not twice, f"{case}: indices {twice[:5]} are read more than once"
     else:  # all of the data, plus exactly total_size - n padded repeats
-        assert set(everything) == set(range(n))
-        assert len(everything) - n == (-n) % replicas
+        missing = sorted(set(range(n)) - set(everything))
+        assert not missing, f"{case}: indices {missing[:5]} are never read"
+        padded = len(everything) - n
+        assert padded == (-n) % replicas, f"{case}: {padded} padded repeats, not {(-n) % replicas}"
     if n % replicas == 0:  # no padding needed: the shards are disjoint
-        assert max(counts.values(), default=1) == 1
+        assert not twice, f"{case}: no padding is needed, yet indices {twice[:5]} are read more than once"
 
 
 @settings(max_examples=150, deadline=None)
@@ -121,8 +135,12 @@ def test_global_batch_is_the_same_set_whatever_the_split(n, per_step, seed, epoc
     full_steps = n // per_step
     reference = [sorted(perm[k * per_step:(k + 1) * per_step]) for k in range(full_steps)]
     for replicas in (1, 2, 3, 4, 6, 12):
-        batches = global_batches(replicas)
-        assert batches[:full_steps] == reference
+        batches = global_batches(replicas)[:full_steps]
+        case = f"len {n}, seed {seed}, epoch {epoch}, {replicas} ranks of {per_step // replicas} samples"
+        assert len(batches) == full_steps, f"{case}: {len(batches)} full steps of {per_step}, not {full_steps}"
+        for k, (got, want) in enumerate(zip(batches, reference)):
+            assert got == want, (f"{case}: step {k}'s global batch is not the permutation's samples "
+                                 f"{k * per_step} to {(k + 1) * per_step - 1}")
 # --8<-- [end:properties]
 
 
@@ -130,11 +148,11 @@ def test_global_batch_is_the_same_set_whatever_the_split(n, per_step, seed, epoc
 def test_without_set_epoch_every_epoch_has_the_same_order():
     sampler = ShardSampler(Sized(50), num_replicas=2, rank=0)
     first, second = list(sampler), list(sampler)
-    assert first == second  # the trap: forgetting set_epoch() repeats the order
+    assert first == second, "two passes without set_epoch must give the same order"  # the trap
     sampler.set_epoch(1)
-    assert list(sampler) != first
+    assert list(sampler) != first, "set_epoch(1) must reshuffle: epoch 1 gave epoch 0's order"
     sampler.set_epoch(0)
-    assert list(sampler) == first  # deterministic: the same epoch, the same order
+    assert list(sampler) == first, "set_epoch(0) again must give epoch 0's order back"  # deterministic
 
 
 def test_a_different_seed_per_rank_overlaps_and_misses_samples():

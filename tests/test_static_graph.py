@@ -127,15 +127,18 @@ def test_reentrant_checkpointing_with_static_graph_equals_torch(session):
         for step, (t, o) in enumerate(zip(theirs, ours)):
             for name in t:
                 if t[name] is None:  # `never`: no rank had it, .grad stays None (torch: the same)
-                    assert o[name] is None, (step, name)
+                    assert o[name] is None, f"rank {rank}, step {step}: {name}.grad must stay None, as in torch"
                 else:
-                    torch.testing.assert_close(o[name], t[name], rtol=0, atol=1e-7, msg=f"{step} {name}")
-    assert all(torch.equal(a, b) for a, b in zip(session[0]["ours"][-1].values(), session[1]["ours"][-1].values())
-               if a is not None)
+                    torch.testing.assert_close(o[name], t[name], rtol=0, atol=1e-7, msg=lambda m, r=rank, s=step,
+                                               n=name: f"rank {r}, step {s}: {n}.grad differs from torch's: {m}")
+    for name, a in session[0]["ours"][-1].items():
+        b = session[1]["ours"][-1][name]
+        assert a is None or torch.equal(a, b), f"last step: {name}.grad differs between rank 0 and rank 1"
 
 
 def test_buckets_are_rebuilt_from_the_second_backward(session):
-    assert session[0]["rebuilt"] and session[1]["rebuilt"]
+    for rank in (0, 1):
+        assert session[rank]["rebuilt"], f"rank {rank}: the buckets after 5 steps are still the wrap's"
 
 
 def test_without_static_graph_the_second_hook_call_is_an_error(session):
@@ -150,16 +153,22 @@ def test_without_static_graph_the_second_hook_call_is_an_error(session):
 
 def test_a_parameter_used_after_the_first_iteration_is_named_on_every_rank(session):
     for rank in (0, 1):
-        kind, names, ranks, _ = session[rank]["new_param"]
-        assert kind is StaticGraphChangedError
-        assert ranks == [1] and set(names) == {"never.weight", "never.bias"}
+        _changed_error(rank, session[rank]["new_param"], [1], {"never.weight", "never.bias"},
+                       "rank 1 starts using `never` at step 2")
+
+
+def _changed_error(rank, error, ranks, names, what):
+    assert error is not None, f"rank {rank}: nothing was raised when {what}"
+    kind, got_names, got_ranks, message = error
+    assert kind is StaticGraphChangedError, f"rank {rank}: {kind.__name__} raised when {what}: {message}"
+    assert got_ranks == ranks, f"rank {rank}: the error's .ranks is {got_ranks}, not {ranks}, when {what}"
+    assert set(got_names) == names, f"rank {rank}: the error's .names is {got_names}, not {sorted(names)}, when {what}"
 
 
 def test_fewer_hook_calls_than_in_the_first_iteration_are_named_on_every_rank(session):
     for rank in (0, 1):
-        kind, names, ranks, _ = session[rank]["fewer_calls"]
-        assert kind is StaticGraphChangedError
-        assert ranks == [0] and set(names) == {"shared.weight", "shared.bias"}
+        _changed_error(rank, session[rank]["fewer_calls"], [0], {"shared.weight", "shared.bias"},
+                       "rank 0 checkpoints `shared` once instead of twice at step 2")
 
 
 def test_join_is_refused_and_the_redundant_flag_is_warned(session):

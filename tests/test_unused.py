@@ -20,10 +20,13 @@ def test_graph_walk_finds_exactly_the_parameters_off_the_path():
     params = list(model.parameters())
     names = [n for n, _ in model.named_parameters()]
     model.use_branch = False
-    assert [names[i] for i in unused_parameters(model(torch.randn(2, 8)), params)] == ["branch.weight", "branch.bias"]
+    found = unused_parameters(model(torch.randn(2, 8)), params)
+    assert found == [2, 3], f"branch skipped: found {found} ({[names[i] for i in found]}), not [2, 3] (branch.*)"
     model.use_branch = True
-    assert unused_parameters(model(torch.randn(2, 8)), params) == []
-    assert unused_parameters({"out": [model(torch.randn(2, 8))]}, params) == []  # nested outputs
+    found = unused_parameters(model(torch.randn(2, 8)), params)
+    assert found == [], f"every layer used: found {found} ({[names[i] for i in found]}) unused"
+    found = unused_parameters({"out": [model(torch.randn(2, 8))]}, params)  # nested outputs
+    assert found == [], f"outputs nested as {{'out': [tensor]}}: found {found} ({[names[i] for i in found]}) unused"
 
 
 def _unused_without_flag(rank, world_size, unused_on):
@@ -98,4 +101,6 @@ def _unused_everywhere_keeps_grad(rank, world_size):
 
 
 def test_parameter_unused_on_every_rank_keeps_its_gradient():
-    assert run_on_ranks(_unused_everywhere_keeps_grad, 2, timeout=60) == [True, True]
+    for rank, kept in enumerate(run_on_ranks(_unused_everywhere_keeps_grad, 2, timeout=60)):
+        assert kept, (f"rank {rank}: branch.weight, unused on every rank in the second backward "
+                      "(find_unused_parameters=True), lost the .grad the first backward gave it")

@@ -5,8 +5,9 @@ What
     ``backward()``, one ``all_reduce(SUM)`` per gradient, divided by the world size (before
     the sum with ``predivide=True``, as DDP does; ``all_reduce_mean`` is that one-tensor step).
     ``ring_all_reduce(tensor, group=None)`` is the algorithm under ``dist.all_reduce``, from
-    ``isend``/``irecv`` only: a reduce-scatter then an all-gather around a ring, over
-    ``world_size`` chunks of any size; ``naive_all_reduce`` is its reference.
+    point-to-point sends and receives only (``send``/``recv``, ``isend``/``irecv`` or
+    ``batch_isend_irecv``; no collective): a reduce-scatter then an all-gather around a ring,
+    over ``world_size`` chunks of any size; ``naive_all_reduce`` is its reference.
 
 Why
     The mean of the shards' gradients is the global batch's gradient (the DDP paper, arXiv
@@ -54,7 +55,8 @@ def _gradients(params_or_module) -> list[torch.Tensor]:
 # --8<-- [start:all_reduce_mean]
 @torch.no_grad()  # in-place on gradients (or parameters): not part of any graph
 def all_reduce_mean(tensor: torch.Tensor, group=None, *, predivide: bool = True) -> torch.Tensor:
-    """Mean over the group's ranks, in place: divide then SUM (``predivide``) or SUM then divide."""
+    """Mean over the group's ranks, in place, returning ``tensor``: divide by ``dist.get_world_size(group)`` then
+    all-reduce SUM (``predivide``: no float16 overflow), or SUM then divide (no underflow of tiny values)."""
     ### BEGIN SOLUTION
     world = dist.get_world_size(group)
     if predivide:  # what DDP does: the sum can then never exceed the largest input
@@ -70,12 +72,15 @@ def all_reduce_mean(tensor: torch.Tensor, group=None, *, predivide: bool = True)
 # --8<-- [start:average_gradients]
 @issued_as("naive gradient all-reduce")
 def average_gradients(params_or_module, group=None, *, predivide: bool = True) -> int:
-    """Replace every gradient by its mean over the group's ranks; return the collectives issued.
+    """Replace every gradient by its mean over the group's ranks (``all_reduce_mean``, passing ``predivide``);
+    return the number of all-reduces issued.
 
-    The naive baseline: one blocking all-reduce per parameter, in registration
-    order. Parameters whose ``.grad`` is ``None`` are skipped, so every rank must
-    agree on which ones have gradients (or the collectives pair up wrongly). A
-    rank outside ``group`` issues nothing and returns 0.
+    The naive baseline: one all-reduce per gradient, in registration order (what
+    bucketing improves on). ``params_or_module``: a module, one tensor, or any
+    iterable of parameters (a generator too); a parameter listed twice is averaged
+    once, and one whose ``.grad`` is ``None`` is skipped (``_gradients`` does both),
+    so every rank must agree on which have gradients (or the collectives pair up
+    wrongly). A rank outside ``group`` issues nothing and returns 0.
     """
     if dist.get_rank(group) < 0:  # not in the group (size -1): nothing to average here
         return 0
@@ -91,7 +96,8 @@ def average_gradients(params_or_module, group=None, *, predivide: bool = True) -
 
 # --8<-- [start:chunks]
 def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
-    """Split ``numel`` elements into ``world_size`` contiguous chunks; the first ``numel % n`` get one more."""
+    """``world_size`` ``(start, end)`` pairs tiling ``range(numel)`` in order: each chunk ``numel // world_size``
+    long, the first ``numel % world_size`` one longer (empty chunks when ``numel < world_size``)."""
     ### BEGIN SOLUTION
     base, extra = divmod(numel, world_size)
     bounds, start = [], 0
@@ -106,9 +112,14 @@ def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
 def ring_schedule(rank: int, world_size: int) -> list[tuple[str, int, int]]:
     """``(phase, chunk sent to the right, chunk received from the left)`` for each of 2(n-1) steps.
 
-    After reduce-scatter step s, the chunk a rank just received holds the sum of
-    s + 2 ranks; after n-1 steps rank r owns the full sum of chunk (r + 1) % n.
-    The all-gather then passes each finished chunk once around the ring.
+    ``phase`` is the literal string ``"reduce-scatter"`` for the first n-1 steps
+    (the received chunk is added to this rank's), then ``"all-gather"`` for n-1
+    (it replaces this rank's). Rank ``r`` sends to ``(r + 1) % n`` and receives
+    from ``(r - 1) % n``: the chunk it receives at a step is the one its left
+    neighbour sends. After reduce-scatter step s, the chunk a rank just received
+    holds the sum of s + 2 ranks; after n-1 steps each rank owns the full sum of
+    one chunk (sending chunk r first, rank r owns chunk (r + 1) % n). The
+    all-gather then passes each finished chunk once around the ring.
     """
     ### BEGIN SOLUTION
     n = world_size
@@ -142,10 +153,14 @@ def _exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group)
 @torch.no_grad()  # like dist.all_reduce: works on parameters too, outside autograd
 @issued_as("ring all-reduce")
 def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
-    """SUM ``tensor`` over the group's ranks, in place, with a ring of ``isend``/``irecv``.
+    """SUM ``tensor`` over the group's ranks, in place, returning it, with point-to-point messages only.
 
     Equal to ``dist.all_reduce(tensor, group=group)`` (exactly, for integer-valued
     data; floats may round differently because the order of additions differs).
+    Step by step of ``ring_schedule``: one send of one chunk to the right, one
+    receive from the left (``_exchange`` posts both before waiting, and skips an
+    empty chunk), so each rank sends 2(n-1) messages, 2(n-1)/n of the tensor, and
+    issues no collective.
     A rank outside ``group`` returns ``tensor`` untouched, as torch's collectives do.
     """
     group = group if group is not None else dist.group.WORLD

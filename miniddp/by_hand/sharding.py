@@ -3,11 +3,12 @@
 What
     ``ShardSampler(dataset, num_replicas, rank, shuffle=True, seed=0, drop_last=False)``
     is a ``Sampler`` that yields this rank's share of the dataset's indices. Every
-    rank builds the *same* permutation of ``range(len(dataset))`` (seeded with
-    ``seed + epoch``), pads it (or trims it, with ``drop_last``) to a multiple of
-    ``num_replicas``, and keeps every ``num_replicas``-th index starting at its
-    rank: ``indices[rank:total_size:num_replicas]``. Call ``set_epoch(e)`` at the
-    start of each epoch, or every epoch sees the same order.
+    rank builds the *same* permutation of ``range(len(dataset))`` (``torch.randperm``
+    seeded with ``seed + epoch``), pads it (or trims it, with ``drop_last``) to a
+    multiple of ``num_replicas``, and keeps every ``num_replicas``-th index starting at
+    its rank: ``indices[rank:total_size:num_replicas]``. Call ``set_epoch(e)`` at the
+    start of each epoch, or every epoch sees the same order. The spec compares it
+    with torch's ``DistributedSampler`` index for index (``__iter__`` says how).
 
 Why
     Data parallelism splits a global batch across ranks. Two properties make the
@@ -101,7 +102,7 @@ class ShardSampler(Sampler[int]):
 
     # --8<-- [start:num_samples]
     def _num_samples(self, n: int) -> int:
-        """Samples per rank: round up (pad) by default, round down (trim) with drop_last."""
+        """Samples per rank: ``ceil(n / num_replicas)`` (the tail padded), or ``n // num_replicas`` with drop_last."""
         ### BEGIN SOLUTION
         if self.drop_last:
             return n // self.num_replicas  # torch writes ceil((n - R) / R): the same number
@@ -111,6 +112,10 @@ class ShardSampler(Sampler[int]):
 
     # --8<-- [start:iter]
     def __iter__(self) -> Iterator[int]:
+        """``g = torch.Generator(); g.manual_seed(seed + epoch)``, ``indices = torch.randperm(len(dataset),
+        generator=g).tolist()`` (``list(range(len(dataset)))`` without shuffle); padded to ``total_size`` by
+        appending it again from its start (as many times round as it takes), or with drop_last cut to its first
+        ``total_size``; then this rank's ``indices[rank:total_size:num_replicas]``, ``num_samples`` of them."""
         self._warn_if_set_epoch_was_forgotten()
         if self._agreement is not None:
             number, self._agreement = self._agreement, None  # once
@@ -152,7 +157,7 @@ class ShardSampler(Sampler[int]):
 
     # --8<-- [start:set_epoch]
     def set_epoch(self, epoch: int) -> None:
-        """Reseed the shuffle: call at the start of every epoch, on every rank, with the same value."""
+        """Store ``epoch`` (the shuffle uses ``seed + epoch``): call it at the start of every epoch, on every rank."""
         ### BEGIN SOLUTION
         self.epoch = epoch
         ### END SOLUTION

@@ -40,7 +40,9 @@ def allreduce_hook(process_group, bucket) -> torch.futures.Future:
 
 # --8<-- [start:compress]
 def _compress_hook(dtype: torch.dtype, process_group, bucket) -> torch.futures.Future:
-    """Cast to ``dtype`` (half the bytes), average, cast back into the bucket's own buffer."""
+    """Cast to ``dtype`` (half the bytes), average, cast back into the bucket's own buffer: torch's arithmetic,
+    which the spec compares bit for bit: ``buffer.to(dtype).div_(group.size())`` (cast, then divide), all-reduce
+    SUM that copy (only it is sent: the spec counts the bytes), then a future of ``buffer`` holding the mean."""
     ### BEGIN SOLUTION
     group = _group(process_group)
     buffer = bucket.buffer()
@@ -54,14 +56,15 @@ def _compress_hook(dtype: torch.dtype, process_group, bucket) -> torch.futures.F
 
 
 def fp16_compress_hook(process_group, bucket) -> torch.futures.Future:
-    """Send float16: 10 mantissa bits, range up to 65504 (gradients that underflow become 0)."""
+    """``_compress_hook`` in float16: 10 mantissa bits, range up to 65504 (gradients that underflow become 0)."""
     ### BEGIN SOLUTION
     return _compress_hook(torch.float16, process_group, bucket)
     ### END SOLUTION
 
 
 def bf16_compress_hook(process_group, bucket) -> torch.futures.Future:
-    """Send bfloat16: float32's range, 7 mantissa bits. gloo sums bfloat16 (torch 2.13; torch's hook refuses gloo)."""
+    """``_compress_hook`` in bfloat16: float32's range, 7 mantissa bits. gloo sums bfloat16 (torch's hook refuses
+    gloo)."""
     ### BEGIN SOLUTION
     return _compress_hook(torch.bfloat16, process_group, bucket)
     ### END SOLUTION

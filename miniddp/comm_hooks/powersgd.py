@@ -132,7 +132,12 @@ def _random_qs(state: PowerSGDState, qs: list[torch.Tensor], shapes: list) -> No
 # --8<-- [start:compress]
 def _compress(state: PowerSGDState, bucket, matrices: list[torch.Tensor], vectors: list[torch.Tensor]):
     """Rank-r compression of ``matrices`` (views into the bucket, overwritten with P Q^T); ``vectors`` are
-    averaged as they are. Two all-reduces: [vectors | P], then Q."""
+    averaged as they are. Two all-reduces: [vectors | P], then Q. For bucket ``b``, with
+    ``use_error_feedback``: ``errors = state.error_dict[b]`` (zeros at first), each M += its error before
+    compressing, and after it error = that M - P Q^T. ``q_flat``: last step's Qs, ``state.q_memory_dict[b]``,
+    with ``warm_start`` (stored back at the end), else None for fresh random ones. Each P = M Q from Q
+    orthogonalised in place first (``orthogonalize(q, state.orthogonalization_epsilon)``); the summed P
+    orthogonalised the same way, then Q = M^T P; the summed Q divided by the group size, M = P Q^T."""
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     world, b = group.size(), bucket.index()
     shapes = [_shape_rank(mat, state)[:3] for mat in matrices]  # (n, m, r) of each

@@ -89,7 +89,11 @@ def refuse_meta_tensors(module: torch.nn.Module) -> None:
 
 # --8<-- [start:coalesced]
 def broadcast_coalesced(tensors, src_rank: int = 0, group=None, bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> None:
-    """Broadcast ``tensors`` from group rank ``src_rank``: few flat messages instead of one per tensor."""
+    """Broadcast ``tensors`` from group rank ``src_rank`` (``dist.broadcast`` wants its global rank:
+    ``dist.get_global_rank``), in place: few flat messages instead of one per tensor. Tensors of one
+    (dtype, device) are packed together, a message going out once it holds ``bucket_bytes``;
+    ``_broadcast_flat`` sends one and copies it back through ``.data`` (no version bump, so a
+    broadcast between two forwards and their backward does not fail autograd's in-place check)."""
     ### BEGIN SOLUTION
     src = dist.get_global_rank(group or dist.group.WORLD, src_rank)
     pending: dict = {}  # (dtype, device) -> tensors waiting to be packed
@@ -115,7 +119,8 @@ def _broadcast_flat(chunk, src, group) -> None:
 
 @issued_as("state broadcast")
 def sync_module_states(module: torch.nn.Module, group=None, include_buffers: bool = True, src: int = 0) -> None:
-    """Make every rank's parameters (and buffers) equal to group rank ``src``'s (rank 0 at wrap)."""
+    """Make every rank's parameters (all of them, frozen ones too) and, with ``include_buffers``, buffers equal to
+    group rank ``src``'s (rank 0 at wrap), through ``broadcast_coalesced``."""
     ### BEGIN SOLUTION
     tensors = [p for p in module.parameters()]
     if include_buffers:

@@ -58,7 +58,9 @@ class Round:
 @issued_as("join round")
 def exchange_round(world_size: int, rank: int, device, group, *, active: bool, will_sync: bool,
                    rebuild: bool) -> Round:
-    """One all-reduce of ``[active one-hot..., will_sync, rebuild]``: a joined rank sends zeros."""
+    """One SUM all-reduce over ``group`` of ``[active one-hot..., will_sync, rebuild]`` (``world_size + 2`` floats on
+    ``device``): an active rank sends 1 in its slot and its two flags, a joined rank zeros. Returns the ``Round``:
+    the ranks whose slot is set, ascending; ``will_sync`` and ``rebuild`` if any active rank said so."""
     ### BEGIN SOLUTION
     flags = torch.zeros(world_size + 2, device=device)
     if active:
@@ -145,6 +147,11 @@ class Join:
 
     # --8<-- [start:exit]
     def __exit__(self, exc_type, exc, tb):
+        """This rank is out of data: answer rounds (``self._round``, inactive) until one finds nobody active. At
+        each other round: remember its ranks in ``last_active``; with ``self.throw`` raise
+        ``EarlyTerminationError`` naming this rank (``f"rank {self.rank} ..."``), else ``self.hook.main_hook(plan)``
+        (warning once at ``WARN_AFTER_ROUNDS``). Then ``self.hook.post_hook(max(last_active))``, or ``world_size - 1``
+        while ``last_active`` is empty (no rank ever had data)."""
         if not self.enable:
             return False
         self.joinable.join_context = None

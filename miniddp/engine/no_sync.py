@@ -29,7 +29,9 @@ from contextlib import contextmanager
 # --8<-- [start:no_sync]
 @contextmanager
 def no_sync(ddp):
-    """Inside: forwards arm no gradient hooks, so their backwards stay local."""
+    """Inside: forwards arm no gradient hooks, so their backwards stay local. Sets ``ddp.require_backward_grad_sync``
+    (which ``ddp``'s forward reads) to False for the block and gives it back its previous value at the exit, an
+    exception's too (so a nested ``no_sync`` leaves it False)."""
     reducer = getattr(ddp, "reducer", None)
     if reducer is not None and reducer.waiting_for_backward:  # armed by a forward, backward not run yet
         warnings.warn("no_sync() was entered after a forward that ran outside it, and that forward's backward has "
@@ -133,7 +135,8 @@ def should_sync(step: int, gradient_accumulation_steps: int, num_batches: int | 
 
 
 def accumulation_windows(num_batches: int, gradient_accumulation_steps: int) -> list[int]:
-    """Lengths of the windows an epoch splits into: ``(10, 4) -> [4, 4, 2]``.
+    """Lengths of the windows an epoch splits into: ``(10, 4) -> [4, 4, 2]``; each ends at a step where
+    ``should_sync(step, gradient_accumulation_steps, num_batches)`` is True.
 
     Divide each micro-batch's loss by its window's *real* length, so a short last
     window is still an average and not a sum scaled down by k.

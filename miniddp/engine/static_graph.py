@@ -35,8 +35,8 @@ class StaticGraphChangedError(RuntimeError):
 
     def __init__(self, message: str, names: list[str], ranks: list[int]):
         super().__init__(message)
-        self.names = names  # parameters whose gradients differed from the first backward
-        self.ranks = ranks  # the ranks on which they differed
+        self.names = names  # parameters whose gradients differed from the first backward, on some rank
+        self.ranks = ranks  # the ranks on which they differed, ascending (the same list on every rank)
 
 
 def check_flags(static_graph: bool, find_unused_parameters: bool) -> None:
@@ -67,14 +67,16 @@ class StaticGraph:
 
     # --8<-- [start:fire]
     def begin(self) -> list[int]:
-        """At a synced forward: reset the firings; the parameters to mark unused when backward starts."""
+        """At a synced forward: reset the firings; the parameters to mark unused when backward starts ([] while
+        learning, then those the first backward never fired, ascending)."""
         ### BEGIN SOLUTION
         self.fired = [0] * len(self.names)
         return [] if self.learning else [i for i, n in enumerate(self.expected) if n == 0]
         ### END SOLUTION
 
     def fire(self, i: int) -> bool:
-        """Parameter i's hook fired: is its gradient complete now? (Never while learning.)"""
+        """Parameter i's hook fired: is its gradient complete now, at as many firings as in the first backward?
+        (Never while learning.)"""
         ### BEGIN SOLUTION
         self.fired[i] += 1
         return not self.learning and self.fired[i] == self.expected[i]
@@ -84,7 +86,7 @@ class StaticGraph:
     def before_finish(self, counts, mark_ready) -> None:
         """At the end of every synced backward, before the reducer marks the missing gradients unused. The
         first: ``mark_ready(i)`` for each parameter that got a gradient, so all buckets go out now. Every one:
-        append the flags to this rank's used ``counts``: per parameter, 1 if its firings differ from the first
+        append the flags to this rank's ``counts.local``: per parameter, 1 if its firings differ from the first
         backward's; then per rank, 1 in this rank's own slot if any does."""
         ### BEGIN SOLUTION
         if self.learning:
@@ -95,9 +97,11 @@ class StaticGraph:
         ### END SOLUTION
 
     def end(self, counts: list[int]) -> bool:
-        """After the all-reduce: ``counts`` is the used counts, then the summed ``flags``. Learns from the first
-        backward (and counts it in ``ended``); raises ``self.changed(...)`` on every rank if a later one differs
-        from it. Returns False (nothing was warned)."""
+        """After the all-reduce of the counts ``before_finish`` extended: for n parameters, ``counts[:n]`` the used
+        counts, ``counts[n:2n]`` per parameter the ranks whose firings changed, ``counts[2n:]`` per rank 1 if its
+        did. Adds 1 to ``ended`` each time; learns ``expected`` (the firings) from the first backward; after it,
+        raises ``self.changed(params, ranks)`` (parameters changed on some rank, ranks that changed, ascending) on
+        every rank if any changed. Returns False (nothing was warned)."""
         ### BEGIN SOLUTION
         n, self.ended = len(self.names), self.ended + 1
         if self.learning:

@@ -61,7 +61,10 @@ def find_tensors(obj) -> list[torch.Tensor]:
 
 # --8<-- [start:walk]
 def unused_parameters(outputs, params: list[torch.Tensor]) -> list[int]:
-    """Indices of ``params`` that no path leads to from ``outputs`` in the autograd graph."""
+    """Indices of ``params``, ascending, that no path leads to from ``outputs`` in the autograd graph.
+
+    ``outputs``: a tensor or any nesting of them (``find_tensors``). A parameter is reached at its
+    ``AccumulateGrad`` node (the node's ``variable``), or by being an output itself."""
     ### BEGIN SOLUTION
     stack = [t.grad_fn for t in find_tensors(outputs) if t.grad_fn is not None]
     seen, reached = set(), set()
@@ -102,8 +105,9 @@ def missing_gradients_message(names: list[str], counts: list[int], world_size: i
 # --8<-- [start:counts]
 def unused_contribution(grad, find_unused: bool, accumulated: bool):
     """What a parameter without a gradient in this backward puts in its bucket: ``(tensor or None for
-    zeros, counts as used?)``. With the flag, whatever ``.grad`` holds (torch copies any defined
-    ``.grad``; one accumulated under ``no_sync`` counts as used); without it, zeros."""
+    zeros, counts as used?)``. With the flag, ``(grad, accumulated)``: whatever ``.grad`` holds (torch
+    copies any defined ``.grad``; one accumulated under ``no_sync`` counts as used); without it,
+    ``(None, False)``: zeros."""
     ### BEGIN SOLUTION
     if find_unused:
         return grad, accumulated

@@ -59,7 +59,8 @@ EXERCISES: tuple[Exercise, ...] = (
     Exercise("averaging", "miniddp.by_hand.averaging", ("average_gradients", "all_reduce_mean"),
              ("average_gradients",), "averaging.md", (
         SpecItem(_AVERAGING + "test_average_gradients_is_the_mean_over_ranks",
-                 "every gradient becomes the mean over ranks, dividing before or after the sum"),
+                 "every gradient becomes the mean over ranks: one all-reduce per gradient (the naive baseline), "
+                 "in registration order, dividing before or after the sum"),
         SpecItem(_AVERAGING + "test_average_gradients_accepts_params_and_skips_none_and_duplicates",
                  "takes a module or parameters; skips missing gradients; averages a repeated parameter once"),
         SpecItem(_AVERAGING + "test_average_gradients_on_a_subgroup_leaves_non_members_alone",
@@ -88,6 +89,8 @@ EXERCISES: tuple[Exercise, ...] = (
                  "equals torch's _compute_bucket_assignment_by_size on generated tensors, dtypes and limits"),
         SpecItem(_BUCKETING + "test_buckets_reduce_in_reverse_registration_order",
                  "inside DDP: buckets filled in registration order, reduced last layers first"),
+        SpecItem(_BUCKETING + "test_rebuild_follows_the_order_gradients_arrived",
+                 "rebuilt_assignment: after the first step the buckets fill in the order gradients arrived"),
         SpecItem(_BUCKETING + "test_rebuilt_buckets_are_rank_0s_order_when_ranks_see_different_orders",
                  "rebuilt_assignment: one agreed order (rank 0's arrival order), even when ranks see different ones"),
     )),
@@ -141,9 +144,11 @@ EXERCISES: tuple[Exercise, ...] = (
         SpecItem(_DDP + "test_equals_one_process_on_the_global_batch",
                  "N ranks train exactly like one process on the global batch"),
         SpecItem(_BUCKETING + "test_buckets_launch_in_order_on_every_rank",
-                 "buckets are launched in bucket order on every rank"),
+                 "buckets are launched in bucket order on every rank, even when they complete out of it"),
         SpecItem(_BUCKETING + "test_rebuild_follows_the_order_gradients_arrived",
                  "after the first step the buckets follow the order gradients arrived"),
+        SpecItem(_HOOKS + "test_a_registered_hook_trains_as_torch_ddp_with_the_same_hook",
+                 "with a comm hook: torch DDP's parameters with the same hook (it gets the bucket undivided)"),
     )),
     Exercise("unused", "miniddp.engine.unused", ("unused_parameters", "unused_contribution"),
              ("unused_parameters", "unused_contribution"), "unused-parameters.md", (

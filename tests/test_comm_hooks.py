@@ -296,6 +296,29 @@ def _misuse(rank, world_size):
     }
 
 
+def _powersgd_state_copies(rank, world_size):
+    import pickle
+
+    sub = dist.new_group([0])
+    state = PowerSGDState(None, start_powerSGD_iter=2)
+    state.error_dict[0] = [torch.ones(3)]
+    loaded, deep = pickle.loads(pickle.dumps(state)), copy.deepcopy(PowerSGDState(sub, start_powerSGD_iter=2))
+    try:
+        pickle.dumps(PowerSGDState(sub, start_powerSGD_iter=2))
+        refused = None
+    except TypeError as err:
+        refused = "process_group" in str(err)
+    return (loaded.process_group, torch.equal(loaded.error_dict[0][0], state.error_dict[0][0]),
+            loaded.error_dict[0][0] is not state.error_dict[0][0], deep.process_group is sub, refused)
+
+
+def test_a_powersgd_state_pickles_without_its_group_and_deep_copies_share_it():
+    """A wrapper with PowerSGD can be saved (torch.save / pickle) like torch's: its state's default group is
+    looked up again where it is loaded; a deep copy keeps the group; another group is refused in one line."""
+    [(group, same_memory, copied, shared, refused)] = run_on_ranks(_powersgd_state_copies, 1, timeout=60)
+    assert group is None and same_memory and copied and shared and refused
+
+
 def test_misused_hooks_get_clear_errors():
     [errors] = run_on_ranks(_misuse, 1, timeout=60)
     assert errors["twice"][0] == "RuntimeError" and "only be called once" in errors["twice"][1]

@@ -24,6 +24,7 @@ How torch differs
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -58,6 +59,18 @@ class PowerSGDState:
         self.iter = 0  # steps seen (counted on the last bucket)
         self.total_numel_before_compression = 0
         self.total_numel_after_compression = 0
+
+    def __getstate__(self) -> dict:  # pickle, torch.save: no group travels; the default one where it is loaded
+        if self.process_group is not None and self.process_group != dist.group.WORLD:  # torch: warned, then lost
+            raise TypeError("PowerSGDState.process_group is not the default group, and a process group cannot be "
+                            "pickled: set state.process_group again after loading a state saved with None")
+        return {**self.__dict__, "process_group": None}
+
+    def __deepcopy__(self, memo) -> PowerSGDState:  # a copy in this process shares the group (the wrapper's too)
+        clone = object.__new__(type(self))
+        memo[id(self)] = clone
+        clone.__dict__.update({k: v if k == "process_group" else copy.deepcopy(v, memo) for k, v in vars(self).items()})
+        return clone
 
     def maybe_increase_iter(self, bucket) -> None:
         if bucket.is_last():

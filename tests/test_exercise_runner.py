@@ -185,3 +185,13 @@ def test_the_default_all_reduce_is_not_called_a_comm_hook():
     with pytest.raises(TypeError) as info:
         hook_result(None, 0, "not a tensor", torch.zeros(2))
     assert "hook" not in str(info.value) and "bucket 0" in str(info.value)
+
+
+def test_a_block_not_written_yet_shows_no_example_and_a_wrong_value_does():
+    from miniddp.exercise.reasons import explain
+
+    todo, wrong = NotImplementedError("sharding: write ShardSampler here"), AssertionError("rank 1 differs")
+    for exc in (todo, wrong):
+        exc.add_note("Falsifying example: test(n=3)")
+    assert not any("Falsifying" in line for line in explain(todo))  # fails on any input: the example is noise
+    assert any("Falsifying" in line for line in explain(wrong))

@@ -48,7 +48,8 @@ def case_id(item, marker: str) -> str:
 
 
 def explain(exc: BaseException) -> list[str]:
-    """The exception's lines for the report, its notes (Hypothesis's failing example) last."""
+    """The exception's lines for the report, its notes (Hypothesis's failing example) last, unless it is the
+    skeleton's ``NotImplementedError``."""
     notes = list(getattr(exc, "__notes__", []))
     while isinstance(exc, _GROUP) and exc.exceptions:  # several failures (Hypothesis can find more): the first
         exc = exc.exceptions[0]
@@ -64,7 +65,8 @@ def explain(exc: BaseException) -> list[str]:
         lines = [text.splitlines()[0]] + (_message(cause) if cause is not None else last)
     else:
         lines = _message(exc)
-    lines += [line for note in dict.fromkeys(notes) for line in str(note).splitlines()]
+    if not isinstance(exc, NotImplementedError):  # a block not written yet fails on any input: no example to show
+        lines += [line for note in dict.fromkeys(notes) for line in str(note).splitlines()]
     here = os.getcwd() + os.sep  # the repository, where the spec's files are: their paths read from it
     lines = [shorten(line.replace(here, "")) for line in lines if line.strip()]
     if len(lines) > LINES_MAX:

@@ -67,12 +67,23 @@ def _arm(timeout: float | None) -> None:
     signal.setitimer(signal.ITIMER_REAL, 0 if timeout is None else timeout + STACK_S)
 
 
+def _hypothesis_for_learners() -> None:
+    """The same examples on every check (derandomized, no database), and no "explain" phase: its notes
+    speak of the test's own lines, not the learner's. A test's own ``@settings`` still set the rest."""
+    from hypothesis import Phase, settings
+
+    settings.register_profile("miniddp-exercise", derandomize=True, database=None,
+                              phases=[p for p in Phase if p is not Phase.explain])
+    settings.load_profile("miniddp-exercise")
+
+
 def pytest_configure(config):
     path = os.environ.get(BATCH_ENV)
     if not path:
         return
     _batch[:] = json.load(open(path, encoding="utf-8"))
     _journal.append(open(os.environ[JOURNAL_ENV], "a", encoding="utf-8"))
+    _hypothesis_for_learners()
     signal.signal(signal.SIGALRM, _alarm)
     for i, implementation in enumerate(_batch):  # each file's module-level code runs here, bounded, first
         _write(event="load", impl=i)

@@ -4,7 +4,7 @@ For every exercise: a correct solution written apart from the reference
 (``tests/exercise_independent/<exercise>.py``) passes the whole spec through the swap, the
 untouched skeleton fails, and each classic mistake fails the spec item that explains it. A mistake
 is the reference with one edit, the way a learner gets it wrong. To keep the suite fast, one pytest
-session checks all of an exercise's implementations: each independent solution on the whole spec,
+session checks every exercise's implementations: each independent solution on the whole spec,
 the reference (whose whole spec the plain suite runs) and the skeleton on the first item, each
 mistake on the items it must fail.
 """
@@ -221,32 +221,61 @@ def test_every_exercise_has_three_mistakes_and_its_spec_items_exist():
         assert source.count(BEGIN) == source.count(END) > 0
 
 
-@pytest.mark.parametrize("name", [e.name for e in EXERCISES])
-def test_the_reference_passes_the_skeleton_fails_and_each_mistake_fails_its_item(tmp_path, name):
+def _implementations(name: str, folder: Path) -> tuple[list, dict]:
+    """Exercise ``name``'s checks: the reference through the swap on the first item (the plain suite runs its
+    whole spec), each independent solution through the whole spec, the skeleton on the first item, each
+    mistake on the items it must fail; and where each kind starts in that list."""
     chosen, reference, independent = BY_NAME[name], _reference(name), _independent(name)
+    folder.mkdir()
     first = [chosen.spec[0].test]
-    assert independent, f"no correct solution written apart from the reference: {INDEPENDENT}/{name}.py"
-    # One pytest session checks them all: the reference through the swap on the first item (the plain suite
-    # runs its whole spec), each independent solution through the whole spec, the skeleton on the first item,
-    # each mistake on the items it must fail.
     skeleton = make_skeleton((ROOT / chosen.source).read_text(encoding="utf-8"), chosen.names, chosen.page, name)
-    checks = [(name, _write(tmp_path, "reference", reference), first, 120),
-              (name, _write(tmp_path, "skeleton", skeleton), first, 120)]
+    checks = [(name, _write(folder, "reference", reference), first, 120),
+              (name, _write(folder, "skeleton", skeleton), first, 120)]
     # copied out of tests/, as a learner's file sits outside the spec's own modules
-    checks += [(name, _write(tmp_path, f"independent{n}", path.read_text(encoding="utf-8")), None, 120)
+    checks += [(name, _write(folder, f"independent{n}", path.read_text(encoding="utf-8")), None, 120)
                for n, path in enumerate(independent)]
-    mistakes = MISTAKES[name]
-    for n, (why, old, new, must_fail) in enumerate(mistakes):
+    for n, (why, old, new, must_fail) in enumerate(MISTAKES[name]):
         assert reference.count(old) == 1, why  # the mistake still applies to the reference's text
-        checks.append((name, _write(tmp_path, f"mistake{n}", reference.replace(old, new)), must_fail, HANG_TIMEOUT_S))
-    passed, [skeleton_item], *rest = run_checks(checks)
-    solutions, wrong = rest[: len(independent)], rest[len(independent) :]
-    assert passed and all(i["passed"] for i in passed), passed
-    for path, items in zip(independent, solutions):
+        checks.append((name, _write(folder, f"mistake{n}", reference.replace(old, new)), must_fail, HANG_TIMEOUT_S))
+    return checks, {"independent": [p.name for p in independent]}
+
+
+def _check_every_exercise(folder: Path) -> dict:
+    """Every exercise's implementations in ONE pytest session (pytest, torch and the ranks' forkserver start
+    once for all of them, not once per exercise): {name: {"reference", "skeleton", "independent", "mistakes"}}."""
+    checks, kinds = [], {}
+    for e in EXERCISES:
+        mine, kind = _implementations(e.name, folder / e.name)
+        kinds[e.name] = (len(checks), len(mine), kind)
+        checks += mine
+    results = run_checks(checks)
+    verdicts = {}
+    for name, (at, count, kind) in kinds.items():
+        passed, [skeleton], *rest = results[at : at + count]
+        n = len(kind["independent"])
+        verdicts[name] = {"reference": passed, "skeleton": skeleton, "mistakes": rest[n:],
+                          "independent": list(zip(kind["independent"], rest[:n]))}
+    return verdicts
+
+
+@pytest.fixture(scope="module")
+def verdicts(once, tmp_path_factory):
+    """Computed once per session, whichever xdist worker asks first (conftest's ``once``)."""
+    return once("exercise_verdicts", lambda: _check_every_exercise(tmp_path_factory.mktemp("exercises")))
+
+
+@pytest.mark.parametrize("name", [e.name for e in EXERCISES])
+def test_the_reference_passes_the_skeleton_fails_and_each_mistake_fails_its_item(verdicts, name):
+    assert _independent(name), f"no correct solution written apart from the reference: {INDEPENDENT}/{name}.py"
+    got = verdicts[name]
+    assert got["reference"] and all(i["passed"] for i in got["reference"]), got["reference"]
+    for file, items in got["independent"]:
         failing = [f"{i['test']}: {i['reason']}" for i in items if not i["passed"]]
-        assert not failing, f"{path.name}, correct and written apart from the reference, fails {failing}"
-    assert not skeleton_item["passed"] and "NotImplementedError" in skeleton_item["reason"], skeleton_item
-    for (why, *_), items in zip(mistakes, wrong):  # a hanging ring: stopped by the timeout, and named
+        assert not failing, f"{file}, correct and written apart from the reference, fails {failing}"
+    skeleton = got["skeleton"]
+    assert not skeleton["passed"] and "NotImplementedError" in skeleton["reason"], skeleton
+    assert len(got["mistakes"]) == len(MISTAKES[name])
+    for (why, *_), items in zip(MISTAKES[name], got["mistakes"]):  # a hanging ring: stopped by the timeout, named
         assert items and not any(i["passed"] for i in items), why
         assert all(i["reason"] for i in items), why
 

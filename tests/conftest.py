@@ -19,11 +19,25 @@ os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="miniddp-tests-hf-home-")
 atexit.register(shutil.rmtree, os.environ["HF_HOME"], True)
 
 
+# The slowest files first, the longest of them first: under `--dist loadfile` (pyproject.toml) each file
+# runs on one pytest-xdist worker, handed out in collection order, so a long file collected last
+# (two_hosts, transformers) ran alone at the end while the other worker sat idle.
+SLOW_FIRST = ("tests/test_exercise.py", "tests/test_notebooks.py", "tests/test_two_hosts.py",
+              "tests/test_clean_exit.py", "tests/test_examples.py", "tests/test_transformers.py",
+              "tests/test_resume.py", "tests/test_launch.py", "tests/test_compile.py", "tests/test_adversary.py",
+              "tests/test_exercise_runner.py", "tests/test_demo.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    first = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))  # stable: file order kept
+
+
 @pytest.fixture(scope="session")
 def once(tmp_path_factory):
-    """``once(name, compute)``: ``compute()`` run by one pytest-xdist worker for the whole session, the
-    others waiting on its lock and reading its result (a module fixture alone would run once per worker
-    that gets one of the module's tests)."""
+    """``once(name, compute)``: ``compute()`` run once for the whole session, whichever pytest-xdist worker
+    asks first, another waiting on its lock and reading its result (under ``--dist loadfile`` a module's
+    tests share a worker; a spec test run by ``miniddp exercise check`` shares it with other modules)."""
     base = tmp_path_factory.getbasetemp()  # under xdist, each worker's is a folder of the session's
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 

@@ -1,10 +1,14 @@
 """The README's main job: torchrun on 2 ranks equals 1 process on the whole batch."""
 
+import contextlib
+import io
 import re
 import subprocess
 import sys
 
 import pytest
+
+from miniddp.testing import run_on_ranks
 
 
 def _run(nproc: int, batch: int) -> str:
@@ -16,10 +20,22 @@ def _run(nproc: int, batch: int) -> str:
     return done.stdout
 
 
+def _one_process(rank, world_size, argv):
+    """The oracle, one process on the whole batch: the same main() in a harness rank (torchrun's variables
+    set, torch already imported), not a second torchrun with two fresh interpreters."""
+    from miniddp.demo import main
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        main(argv)
+    return printed.getvalue()
+
+
 @pytest.mark.timeout(300)
 def test_torchrun_demo_matches_one_process_on_the_global_batch():
     two = _run(2, 32)
-    one = _run(1, 64)
+    [one] = run_on_ranks(_one_process, 1, args=(["--epochs", "2", "--per_device_train_batch_size", "64"],),
+                         init=False, timeout=120)
     assert "parameters identical on all 2 ranks: True" in two
     def losses(out):
         return [float(x) for x in re.findall(r"train loss ([0-9.]+)", out)]

@@ -135,6 +135,46 @@ class Job:
                 p.wait()
 
 
+class HarnessJob:
+    """The one-host reference, 4 ranks of the test harness running ``python -m miniddp.train``'s own main in
+    a thread, beside the launchers' jobs: the same training as torchrun with 4 processes, without five
+    fresh interpreters importing torch (the harness's forkserver has). Job's interface, one "process"."""
+
+    def __init__(self, name: str, argv: list[str]):
+        self.name, self.procs, self.code, self.error = name, [self], None, ""
+        self.thread = threading.Thread(target=self._run, args=(argv,), daemon=True)
+        self.thread.start()
+
+    def _run(self, argv):
+        try:
+            run_on_ranks(_train_rank, 4, args=(argv,), init=False, timeout=240)
+            self.code = 0
+        except Exception as err:  # noqa: BLE001 - reported by tails(), as a launcher's log would be
+            self.code, self.error = 1, str(err)
+
+    def poll(self):
+        return self.code
+
+    def wait(self, until: float) -> bool:
+        self.thread.join(max(0.0, until - time.monotonic()))
+        return not self.thread.is_alive()
+
+    def returncodes(self) -> list:
+        return [self.code]
+
+    def tails(self, chars: int = 2500) -> str:
+        return f"\n--- {self.name} (exit {self.code}):\n{self.error[-chars:]}"
+
+    def kill(self) -> None:  # the harness kills its ranks at its own timeout
+        pass
+
+
+def _train_rank(rank, world_size, argv):
+    from miniddp.training.cli import main
+
+    main(argv)
+
+
 def _copy_with_times(pipe, log: Path, since: float) -> None:
     """Each line of a launcher's output into its log, after the seconds since the test began."""
     with open(log, "w") as out:
@@ -231,8 +271,7 @@ def test_two_hosts_train_like_one_and_survive_a_link_down(hosts, hosts_to_cut, t
             time.sleep(0.05)
         mark("checkpoint-10 written")
         reference, two_torchrun, two_launch = tmp_path / "one_host", tmp_path / "two_torchrun", tmp_path / "two_launch"
-        start("one host, 4 processes", [(None, [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "4",
-                                                "-m", "miniddp.train", "--output_dir", str(reference), *TRAIN])])
+        jobs.append(HarnessJob("one host, 4 processes", ["--output_dir", str(reference), *TRAIN]))
         start("torchrun c10d", [_torchrun_c10d(a, h, 29400, two_torchrun, TRAIN) for h in (a, b)])
         config = _two_machines_yaml(tmp_path / "two_machines.yaml", a, 29500)
         start("miniddp launch", [_miniddp_launch(config, r, h, two_launch, TRAIN) for r, h in enumerate((a, b))])

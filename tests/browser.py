@@ -256,8 +256,11 @@ def _is_local(url: str) -> bool:
 
 
 def check_site(site_dir: Path, chromium: str, shots: Path, search_term: str = "Sharding",
-               search_target: str = "sharding/", dark_pages: tuple[str, ...] | None = None) -> Report:
-    """Open every page of site_dir; return a Report whose problems list every failure."""
+               search_target: str = "sharding/", dark_pages: tuple[str, ...] | None = None,
+               every_shot: bool = True) -> Report:
+    """Open every page of site_dir; return a Report whose problems list every failure. Screenshots of every
+    page, or (``every_shot=False``, the test's choice: encoding them is a tenth of the browser's time) of the
+    pages with a problem only."""
     from playwright.sync_api import sync_playwright
 
     t0 = time.monotonic()
@@ -282,6 +285,7 @@ def check_site(site_dir: Path, chromium: str, shots: Path, search_term: str = "S
             page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
 
             def visit(path: str, shot: str | None) -> dict:
+                """Load and measure ``path``; the screenshot ``shot`` is taken by ``shoot`` once it is judged."""
                 current["page"] = path
                 errors.clear()
                 n_external = len(external)
@@ -294,13 +298,16 @@ def check_site(site_dir: Path, chromium: str, shots: Path, search_term: str = "S
                     report.add(path, f"request to another host: {url}")
                 for e in errors:
                     report.add(path, e)
-                if shot:
-                    page.screenshot(path=str(shots / shot), full_page=FULL_PAGE_SHOTS)
                 return info
+
+            def shoot(view, shot: str, problems_before: int) -> None:
+                if every_shot or len(report.problems) > problems_before:
+                    view.screenshot(path=str(shots / shot), full_page=FULL_PAGE_SHOTS)
 
             # 1. every page at 1280 px, light palette
             for path in pages:
-                info = visit(path, (path.strip("/").replace("/", "__") or "index") + ".png")
+                before = len(report.problems)
+                info = visit(path, None)
                 report.pages[path] = info
                 for m in info["mermaid"]:
                     if not m["rendered"]:
@@ -318,6 +325,7 @@ def check_site(site_dir: Path, chromium: str, shots: Path, search_term: str = "S
                     report.add(path, f"image not loaded: {src}")
                 if info["pageOverflow"] > 1:
                     report.add(path, f"page scrolls sideways by {info['pageOverflow']} px at {WIDE['width']} px")
+                shoot(page, (path.strip("/").replace("/", "__") or "index") + ".png", before)
 
             # 2. search: Material's lunr index, typed into the search box
             visit("", None)
@@ -345,7 +353,8 @@ def check_site(site_dir: Path, chromium: str, shots: Path, search_term: str = "S
             if dark_pages is None:  # the home page, and every page with a sequence diagram
                 dark_pages = tuple(p for p in pages if p == "" or report.pages[p]["sequence"])
             for path in dark_pages:
-                visit(path, "dark__" + (path.strip("/").replace("/", "__") or "index") + ".png")
+                before = len(report.problems)
+                visit(path, None)
                 arrows = page.evaluate(ARROWS_JS)
                 report.pages[path]["dark"] = arrows
                 if arrows["scheme"] != "slate":
@@ -354,6 +363,7 @@ def check_site(site_dir: Path, chromium: str, shots: Path, search_term: str = "S
                     if a["worst"] and a["worst"]["luminance"] < MIN_DARK_LUMINANCE:
                         report.add(path, f"dark mode: {a['kind']} diagram {a['index']} has arrows of luminance "
                                          f"{a['worst']['luminance']:.2f} ({a['worst']['what']})")
+                shoot(page, "dark__" + (path.strip("/").replace("/", "__") or "index") + ".png", before)
             context.close()
 
             # 4. a phone: every table fits or scrolls inside its own box
@@ -361,6 +371,7 @@ def check_site(site_dir: Path, chromium: str, shots: Path, search_term: str = "S
             context.add_init_script(INIT_SCRIPT)
             phone = context.new_page()
             for path in [p for p in pages if report.pages[p]["tables"]]:
+                before = len(report.problems)
                 phone.goto(server.url + path, wait_until="load")
                 result = phone.evaluate(TABLES_JS)
                 report.pages[path]["phone"] = result
@@ -368,9 +379,7 @@ def check_site(site_dir: Path, chromium: str, shots: Path, search_term: str = "S
                     report.add(path, f"at {PHONE['width']} px table {t['index']} is cut off "
                                      f"(right edge {t['right']} px: {t['header']!r})")
                 if result["tables"]:
-                    name = "phone__" + (path.strip("/").replace("/", "__") or "index") + ".png"
-                    phone.screenshot(path=str(shots / name),
-                                     full_page=FULL_PAGE_SHOTS)
+                    shoot(phone, "phone__" + (path.strip("/").replace("/", "__") or "index") + ".png", before)
             context.close()
         finally:
             browser.close()

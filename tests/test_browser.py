@@ -11,12 +11,14 @@ every page, rendered notebooks and the API page included, at 1280x900. Per page:
 Then: Material's search finds the Sharding page; in the dark palette the arrows of
 sequence diagrams are light (the home page and every page with one); at 390 px (a phone)
 every table fits or scrolls inside its own box. All failures are reported at once.
-Screenshots go to a temporary directory, printed at the end (``pytest -s`` shows it).
+Screenshots of the pages with a problem go to a temporary directory, printed at the end (``pytest -s``
+shows it); MINIDDP_SCREENSHOTS=1 takes every page's, as ``python tests/browser.py`` does.
 
 Needs Chromium (Debian: ``apt-get install chromium``) and Playwright from PyPI (in the
 ``test`` extra); no browser is downloaded. Skipped, with the reason, without them.
 """
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -35,7 +37,7 @@ def test_every_page_is_readable_in_a_browser(tmp_path):
     site = tmp_path / "site"
     build_site(site)
     shots = Path(tempfile.mkdtemp(prefix="miniddp-screenshots-"))
-    report = check_site(site, CHROMIUM, shots)
+    report = check_site(site, CHROMIUM, shots, every_shot=os.environ.get("MINIDDP_SCREENSHOTS") == "1")
     print(report.summary())
     print(f"{len(report.pages)} pages checked in {report.seconds:.0f} s; screenshots in {shots}")
     assert report.pages, "the built site has no pages"

@@ -28,7 +28,7 @@ from miniddp.testing import run_on_ranks
 
 SCRIPTS = Path(__file__).resolve().parent / "exit_scripts"
 TORCHRUN = Path(sys.executable).parent / "torchrun"
-RUNS = 3  # with the witness, one run shows a broken guard; the count shows the exit status end to end
+RUNS = 2  # with the witness, one run shows a broken guard; the count shows the exit status end to end
 
 
 def _fresh(script: str, *args: str, guard: bool = True, tmp_path: Path):

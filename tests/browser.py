@@ -102,6 +102,19 @@ INIT_SCRIPT = """
 })();
 """
 
+# Material's search worker builds the lunr index of the whole site on every full page load: most of a
+# page's CPU here. The index is one for every page, so it is built and queried once, in its own context
+# (phase 2); on every other load this inert stand-in takes the worker's place, and the search box waits.
+NO_SEARCH_WORKER_SCRIPT = r"""
+(() => {
+  const Real = window.Worker;
+  class Inert extends EventTarget { postMessage() {} terminate() {} }
+  window.Worker = function (url, options) {
+    return /workers\/search/.test(String(url)) ? new Inert() : new Real(url, options);
+  };
+})();
+"""
+
 # Resolves when no diagram is waiting to be rendered (or after `ms`).
 WAIT_FOR_MERMAID_JS = """
 async (ms) => {
@@ -273,8 +286,14 @@ def check_site(site_dir: Path, chromium: str, shots: Path, search_term: str = "S
         browser = pw.chromium.launch(executable_path=chromium, args=[
             "--no-sandbox", "--disable-gpu", "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"])
         try:
-            context = browser.new_context(viewport=WIDE, device_scale_factor=1)
-            context.add_init_script(INIT_SCRIPT)
+            def new_context(search: bool = False, **settings):
+                made = browser.new_context(**{"viewport": WIDE, "device_scale_factor": 1, **settings})
+                made.add_init_script(INIT_SCRIPT)
+                if not search:
+                    made.add_init_script(NO_SEARCH_WORKER_SCRIPT)
+                return made
+
+            context = new_context()
             external: list[tuple[str, str]] = []
             current = {"page": ""}
 
@@ -327,7 +346,12 @@ def check_site(site_dir: Path, chromium: str, shots: Path, search_term: str = "S
                     report.add(path, f"page scrolls sideways by {info['pageOverflow']} px at {WIDE['width']} px")
                 shoot(page, (path.strip("/").replace("/", "__") or "index") + ".png", before)
 
-            # 2. search: Material's lunr index, typed into the search box
+            # 2. search: Material's lunr index, typed into the search box (in a context of its own: the worker)
+            searching, wide = new_context(search=True), page
+            page = searching.new_page()  # visit() loads and measures whatever ``page`` is
+            page.on("request", lambda r: _is_local(r.url) or external.append((current["page"], r.url)))
+            page.on("console", lambda m: m.type == "error" and errors.append(f"console: {m.text}"))
+            page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
             visit("", None)
             page.click("label.md-header__button[for=__search]", timeout=5000) if page.is_visible(
                 "label.md-header__button[for=__search]") else None
@@ -344,6 +368,8 @@ def check_site(site_dir: Path, chromium: str, shots: Path, search_term: str = "S
                 hits = page.eval_on_selector_all(".md-search-result__item a", "els => els.map(a => a.href)")
                 report.add("", f"searching {search_term!r} finds no link to {search_target} (found {hits[:5]})")
             page.screenshot(path=str(shots / "search.png"))
+            searching.close()
+            page = wide
 
             # 3. dark palette: the toggle, then sequence-diagram arrows must stay visible
             visit("", None)
@@ -367,8 +393,7 @@ def check_site(site_dir: Path, chromium: str, shots: Path, search_term: str = "S
             context.close()
 
             # 4. a phone: every table fits or scrolls inside its own box
-            context = browser.new_context(viewport=PHONE, device_scale_factor=1, is_mobile=True, has_touch=True)
-            context.add_init_script(INIT_SCRIPT)
+            context = new_context(viewport=PHONE, is_mobile=True, has_touch=True)
             phone = context.new_page()
             for path in [p for p in pages if report.pages[p]["tables"]]:
                 before = len(report.problems)

@@ -11,6 +11,8 @@ every page, rendered notebooks and the API page included, at 1280x900. Per page:
 Then: Material's search finds the Sharding page; in the dark palette the arrows of
 sequence diagrams are light (the home page and every page with one); at 390 px (a phone)
 every table fits or scrolls inside its own box. All failures are reported at once.
+Material's search worker rebuilds the whole site's index on every full page load (most of
+a page's CPU), so it runs only where search is tested; elsewhere an inert stand-in takes its place.
 Screenshots of the pages with a problem go to a temporary directory, printed at the end (``pytest -s``
 shows it); MINIDDP_SCREENSHOTS=1 takes every page's, as ``python tests/browser.py`` does.
 

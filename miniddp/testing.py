@@ -33,6 +33,7 @@ import multiprocessing as mp
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 import time
 from multiprocessing.connection import wait
@@ -48,6 +49,9 @@ DEFAULT_TIMEOUT_S = 120.0  # a whole multi-rank call; tests pass smaller ones
 # What the forkserver imports once. torch._dynamo is imported lazily by torch DDP's first
 # construction, at a cost of seconds per fresh process: preloading it keeps every oracle test fast.
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "miniddp"]
+# ...and, when the caller has them, what a test module imports: a rank unpickles ``fn`` by importing its
+# module, so without these every rank of every test paid ~0.2 s of CPU to import pytest and Hypothesis.
+_PRELOAD_IF_IMPORTED = ["pytest", "hypothesis"]
 
 
 class RankError(RuntimeError):
@@ -108,7 +112,8 @@ def backend_params(world_size: int):
 def _context(start_method: str):
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(_PRELOAD)  # no effect once the server runs
+        preload = _PRELOAD + [m for m in _PRELOAD_IF_IMPORTED if m in sys.modules]
+        ctx.set_forkserver_preload(preload)  # no effect once the server runs
     return ctx
 
 

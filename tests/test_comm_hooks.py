@@ -7,6 +7,7 @@ the algorithm on the summed gradients, and completes on gloo with many buckets, 
 """
 
 import copy
+import functools
 import hashlib
 import math
 import threading
@@ -398,7 +399,10 @@ def _pending_at_each_call(rank, world_size, registered):
             store.set("test: rank 0 launched", "1")
         return future
 
-    if registered:  # a hook the reducer cannot vouch for: one bucket at a time
+    if registered == "declared":  # a user's hook that says it issues everything in the call
+        may_launch = len(reducer.buckets)
+        ddp.register_comm_hook(dist.group.WORLD, comm_hooks.call_order.issues_collectives_in_call(recording))
+    elif registered:  # a hook the reducer cannot vouch for: one bucket at a time
         ddp.register_comm_hook(dist.group.WORLD, recording)
     else:  # the default path's hook, seen through a wrapper that keeps the default's ordering rule
         reducer.hook = recording
@@ -419,3 +423,11 @@ def test_default_path_overlaps_buckets_and_other_hooks_go_one_at_a_time():
     assert call_order.issues_everything_in_call(torch_hooks.fp16_compress_hook)
     assert not call_order.issues_everything_in_call(powerSGD_hook)
     assert not call_order.issues_everything_in_call(torch_powersgd.powerSGD_hook)
+
+
+def test_a_hook_that_declares_it_issues_everything_in_the_call_overlaps_its_buckets():
+    # the contract is the hook's own attribute, not a list of known functions: a user's hook may declare it
+    [(seen, buckets), _] = run_on_ranks(_pending_at_each_call, 2, args=("declared",), timeout=60)
+    assert buckets == 7 and seen == list(range(7)), seen
+    assert call_order.issues_everything_in_call(functools.partial(torch_hooks.allreduce_hook))
+    assert not call_order.issues_everything_in_call(lambda state, bucket: None)

@@ -1,7 +1,9 @@
 """When the reducer may hand the next bucket to a comm hook: at once, or once the previous future is done.
 
 What
-    ``issues_everything_in_call(hook)``: does ``hook`` issue all its collectives before it returns?
+    ``issues_everything_in_call(hook)``: has ``hook`` declared that it issues all its collectives before it
+    returns? A hook declares it with ``@issues_collectives_in_call`` (an attribute, ``IN_CALL``); miniddp's
+    default and compression hooks do, and torch's are declared here.
     ``CallOrder(hook).wait_for(futures)``: the future that must complete before the reducer hands
     the next bucket over (or issues its used counts), ``None`` when it may go now.
 
@@ -23,21 +25,45 @@ How torch differs
 
 from __future__ import annotations
 
-from .default_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
+import functools
+
+IN_CALL = "issues_collectives_in_call"  # the attribute by which a hook declares its contract
 
 
 # --8<-- [start:in_call]
+def issues_collectives_in_call(hook):
+    """Declare that ``hook`` issues every collective before it returns, none from a future's callback
+    (``@issues_collectives_in_call`` on a user's hook). The reducer may then hand it bucket k+1 while
+    bucket k still travels: the order of calls is the order of issue. Returns ``hook``."""
+    setattr(hook, IN_CALL, True)
+    return hook
+
+
 def issues_everything_in_call(hook) -> bool:
-    """Does ``hook`` issue all its collectives before it returns (none from a future's callback)? Then the
-    reducer may hand bucket k+1 over while bucket k still travels: the order of issue is the order of calls.
-    True for the compression hooks and ``allreduce_hook`` (ours and torch's); PowerSGD is not."""
-    if hook in (allreduce_hook, fp16_compress_hook, bf16_compress_hook):
-        return True
+    """Has ``hook`` declared that it issues all its collectives in the call? An undeclared hook may issue
+    more from its future's callbacks (PowerSGD does), so it is handed one bucket at a time. A
+    ``functools.partial`` inherits the declaration of the function it wraps."""
+    while True:
+        if getattr(hook, IN_CALL, False):
+            return True
+        if not isinstance(hook, functools.partial):
+            return False
+        hook = hook.func
+
+
+def _declare_torchs_hooks() -> None:
+    """torch's own in-call hooks, declared by miniddp, which read their source: each issues one
+    ``dist.all_reduce`` and only decompresses in its ``then``."""
     try:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as theirs
     except ImportError:  # a torch without comm hooks
-        return False
-    return hook in (theirs.allreduce_hook, theirs.fp16_compress_hook)
+        return
+    for name in ("allreduce_hook", "fp16_compress_hook", "bf16_compress_hook"):
+        if hasattr(theirs, name):
+            issues_collectives_in_call(getattr(theirs, name))
+
+
+_declare_torchs_hooks()
 
 
 class CallOrder:

@@ -3,7 +3,8 @@
 What
     ``allreduce_hook`` averages a bucket as torch's does: divide by the group size, all-reduce
     SUM. ``fp16_compress_hook`` and ``bf16_compress_hook`` send half the bytes and cast the
-    average back. A hook gets the bucket undivided and divides it itself (torch's contract).
+    average back. A hook gets the bucket undivided and divides it itself (torch's contract). Each
+    declares that it issues its one collective inside the call (``call_order.py``).
 
 Why
     On a slow link the all-reduce is the step: halving its bytes halves that part.
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .byte_count import all_reduce
+from .call_order import issues_collectives_in_call
 
 
 def _group(process_group):
@@ -28,6 +30,7 @@ def _group(process_group):
 
 
 # --8<-- [start:allreduce]
+@issues_collectives_in_call  # one all-reduce, issued before it returns
 def allreduce_hook(process_group, bucket) -> torch.futures.Future:
     """Average the bucket: divide by the group size, then sum over ranks (torch's ``allreduce_hook``).
     DDP without a hook gives the same mean, dividing as it copies each gradient in (``Bucket.put``)."""
@@ -55,6 +58,7 @@ def _compress_hook(dtype: torch.dtype, process_group, bucket) -> torch.futures.F
     ### END SOLUTION
 
 
+@issues_collectives_in_call  # one all-reduce, issued before it returns
 def fp16_compress_hook(process_group, bucket) -> torch.futures.Future:
     """``_compress_hook`` in float16: 10 mantissa bits, range up to 65504 (gradients that underflow become 0)."""
     ### BEGIN SOLUTION
@@ -62,6 +66,7 @@ def fp16_compress_hook(process_group, bucket) -> torch.futures.Future:
     ### END SOLUTION
 
 
+@issues_collectives_in_call  # one all-reduce, issued before it returns
 def bf16_compress_hook(process_group, bucket) -> torch.futures.Future:
     """``_compress_hook`` in bfloat16: float32's range, 7 mantissa bits. gloo sums bfloat16 (torch's hook refuses
     gloo)."""

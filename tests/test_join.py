@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
-from miniddp.engine.join import EarlyTerminationError
+from miniddp.engine.join import EarlyTerminationError, Join, Joinable, JoinHook
 from miniddp.testing import run_on_ranks
 
 from models import MODELS
@@ -165,3 +165,78 @@ def _no_grad_inside_join(rank, world_size):
 def test_no_grad_forwards_inside_join_are_not_rounds():
     a, b = run_on_ranks(_no_grad_inside_join, 2, timeout=60)
     assert torch.equal(a, b)
+
+
+class _Steps(Joinable):
+    """A second joinable, as an optimizer is in torch's ``Join([model, optimizer])``: after each step the active
+    ranks all-reduce a count (a collective the joined ranks must shadow); its hook answers with zeros."""
+
+    def __init__(self):
+        self.total, self.calls = torch.zeros(1), []
+
+    def step(self):
+        ones = torch.ones(1)
+        dist.all_reduce(ones)
+        self.total += ones
+
+    def join_hook(self, **kwargs):
+        steps = self
+
+        class Hook(JoinHook):
+            def main_hook(self, plan):
+                steps.calls.append("main")
+                steps.step_with(torch.zeros(1))
+
+            def post_hook(self, source):
+                steps.calls.append(("post", source))
+
+        return Hook()
+
+    def step_with(self, value):
+        dist.all_reduce(value)
+        self.total += value
+
+    @property
+    def join_device(self):
+        return torch.device("cpu")
+
+    @property
+    def join_process_group(self):
+        return dist.group.WORLD
+
+
+def _two_joinables(rank, world_size):
+    torch.manual_seed(rank)  # different weights: the wrap's broadcast and post_hook matter
+    ddp = miniddp.DistributedDataParallel(torch.nn.Linear(8, 4))
+    steps, opt = _Steps(), torch.optim.SGD(ddp.parameters(), lr=0.1)
+    with Join([ddp, steps]):
+        for x, y, _ in _batches(rank, 3 if rank == 0 else 5, 1):
+            F.mse_loss(ddp(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            steps.step()
+    return steps.total.item(), steps.calls, _flat(ddp.module.parameters())
+
+
+def test_join_takes_a_list_and_shadows_every_joinable_in_order():
+    (total0, calls0, params0), (total1, calls1, params1) = run_on_ranks(_two_joinables, 2, timeout=60)
+    assert total0 == total1 == 3 * 2 + 2 * 1  # both ranks counted 3 steps, then rank 1 alone 2 more
+    assert calls0 == ["main", "main", ("post", 1)] and calls1 == [("post", 1)]
+    assert torch.equal(params0, params1)
+
+
+def _refusals(rank, world_size):
+    ddp = miniddp.DistributedDataParallel(torch.nn.Linear(2, 2))
+    other = miniddp.DistributedDataParallel(torch.nn.Linear(2, 2), process_group=dist.new_group([0]))
+    got = []
+    for joinables in (ddp, [], [ddp, ddp], [ddp, other]):
+        try:
+            Join(joinables)
+        except (TypeError, ValueError) as err:
+            got.append(type(err).__name__)
+    return got
+
+
+def test_join_refuses_what_torchs_join_refuses_in_one_line():
+    [got] = run_on_ranks(_refusals, 1, timeout=60)
+    assert got == ["TypeError", "ValueError", "ValueError", "ValueError"]

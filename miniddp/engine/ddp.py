@@ -123,7 +123,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         if self.join_context is not None:  # uneven inputs: tell the joined ranks what this iteration does
             plan = self.join_context.notify(self.require_backward_grad_sync, self.reducer.rebuild_due)
             self.sync_before_forward(rebuild=plan.rebuild, source=plan.source)
-            divisor, expected = self.join_context.hook.divisor(plan), len(plan.active)
+            divisor, expected = self.join_context.hook_of(self).divisor(plan), len(plan.active)
         else:
             self.sync_before_forward(rebuild=self.reducer.rebuild_due, source=0)
         (self._window.synced_forward if self.require_backward_grad_sync else self._window.local_forward)()
@@ -174,12 +174,12 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
     # --8<-- [start:join]
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Join:
-        """Context manager for uneven inputs (torch's semantics): ranks that run out of batches shadow
-        the collectives of those still training; see ``miniddp.engine.join``."""
+        """Uneven inputs: ``Join([self])`` (torch's semantics); see ``miniddp.engine.join``."""
         if enable and self.static_graph:
             raise NotImplementedError("join() with static_graph=True: miniddp's static graph expects every rank's "
                                       "gradients in every backward; use find_unused_parameters=True for uneven inputs")
-        return Join(self, enable, throw_on_early_termination, divide_by_initial_world_size=divide_by_initial_world_size)
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, divide_by_initial_world_size: bool = True) -> DDPJoinHook:
         return DDPJoinHook(self, divide_by_initial_world_size)

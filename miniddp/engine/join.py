@@ -1,12 +1,14 @@
 """Uneven inputs: ranks that ran out of data shadow the collectives of those still training.
 
 What
-    ``Join`` is a context manager around the training loop for one ``Joinable`` (``ddp.join()``).
-    Every grad-enabled forward of a rank with data starts with one small all-reduce, the
-    *round* (``Join.notify``): who is still active, will this backward sync, is the bucket
-    rebuild due. A rank out of data answers rounds in ``__exit__``: its ``JoinHook.main_hook``
-    issues what the active ranks are about to issue, until a round finds nobody active; then
-    ``post_hook`` gives every rank the last finisher's model. DDP's hook is ``ddp.DDPJoinHook``.
+    ``Join`` is a context manager around the training loop for a list of ``Joinable`` objects
+    (``Join([ddp])``, ``ddp.join()``; later ``Join([ddp, optimizer])``). Every grad-enabled
+    forward of a rank with data starts with one small all-reduce, the *round* (``Join.notify``,
+    run by the first joinable, DDP): who is still active, will this backward sync, is the bucket
+    rebuild due. A rank out of data answers rounds in ``__exit__``: each joinable's
+    ``JoinHook.main_hook``, in list order, issues what the active ranks are about to issue, until
+    a round finds nobody active; then each ``post_hook`` gives every rank the last finisher's
+    state. DDP's hook is ``ddp.DDPJoinHook``.
 
 Why
     Collectives match by order, not by name: with 10 batches on rank 0 and 9 on rank 1, rank 0's
@@ -16,9 +18,10 @@ Why
 
 How torch differs
     The interface of ``torch/distributed/algorithms/join.py`` (``Join``, ``Joinable``,
-    ``JoinHook``; DDP's ``_DDPJoinHook``), for one joinable instead of a list. torch's active ranks
-    announce themselves, say whether they sync and pick the buffer source in three all-reduces;
-    we fold them into one of a ``world_size + 2`` vector, handed to ``main_hook``. A
+    ``JoinHook``; DDP's ``_DDPJoinHook``), a list of joinables on one process group and device, as
+    torch's. torch's active ranks announce themselves, say whether they sync and pick the buffer
+    source in three all-reduces; we fold them into one of a ``world_size + 2`` vector, handed to
+    every ``main_hook``. A
     ``dist.all_reduce`` of your own on an active rank has no partner (torch: the same).
 """
 
@@ -107,27 +110,55 @@ class Joinable(ABC):
 # --8<-- [end:interface]
 
 
-class Join:
-    """Context manager for uneven inputs around one ``Joinable``; see the module docstring."""
+def _checked(joinables) -> list:
+    """torch's ``Join`` takes a list, on one process group and one device: refuse anything else in one line."""
+    if not isinstance(joinables, (list, tuple)):
+        raise TypeError(f"Join takes a list of joinables, as torch's does: Join([ddp]) (or ddp.join()), "
+                        f"got {type(joinables).__name__}")
+    if not joinables:
+        raise ValueError("Join needs at least one joinable: Join([ddp])")
+    first = joinables[0]
+    for j in joinables:
+        if not all(hasattr(j, a) for a in ("join_hook", "join_device", "join_process_group")):  # duck-typed, as torch
+            raise TypeError(f"Join's joinables must be Joinable (join_hook, join_device, join_process_group); "
+                            f"got {type(j).__name__}")
+        if j.join_process_group is not first.join_process_group or j.join_device != first.join_device:
+            raise ValueError(f"Join's joinables must share one process group and device: {type(j).__name__} "
+                             f"differs from {type(first).__name__} (torch: the same)")
+    if len({id(j) for j in joinables}) < len(joinables):
+        raise ValueError("Join got the same joinable twice; list each once")
+    return list(joinables)
 
-    def __init__(self, joinable: Joinable, enable: bool = True, throw_on_early_termination: bool = False,
+
+class Join:
+    """Context manager for uneven inputs around a list of ``Joinable``; see the module docstring."""
+
+    def __init__(self, joinables: list[Joinable], enable: bool = True, throw_on_early_termination: bool = False,
                  **kwargs):
-        self.joinable = joinable  # whose collectives the joined ranks shadow
+        self.joinables = _checked(joinables)  # whose collectives the joined ranks shadow; the first runs the rounds
         self.enable = enable  # False: a plain no-op context (torch's flag)
         self.throw = throw_on_early_termination  # raise everywhere as soon as one rank runs out
-        self.kwargs = kwargs  # for joinable.join_hook (DDP: divide_by_initial_world_size)
-        self.hook: JoinHook | None = None  # the joinable's, while the context is open
-        self.world_size = dist.get_world_size(joinable.join_process_group)
-        self.rank = dist.get_rank(joinable.join_process_group)  # our rank inside the joinable's group
+        self.kwargs = kwargs  # for every joinable's join_hook (DDP: divide_by_initial_world_size)
+        self.hooks: list[JoinHook] = []  # the joinables' hooks, in their order, while the context is open
+        group = self.joinables[0].join_process_group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)  # our rank inside the joinables' group
         self.last_active: tuple[int, ...] = ()  # who was active in the latest round with anyone active
 
     def __enter__(self):
         if self.enable:
-            if self.joinable.join_context is not None:
-                raise RuntimeError("DistributedDataParallel.join() is already open for this model; do not nest it")
-            self.hook = self.joinable.join_hook(**self.kwargs)
-            self.joinable.join_context = self
+            for joinable in self.joinables:
+                if joinable.join_context is not None:
+                    raise RuntimeError(f"this {type(joinable).__name__} is already in an open Join (join()); "
+                                       "do not nest them")
+            self.hooks = [joinable.join_hook(**self.kwargs) for joinable in self.joinables]
+            for joinable in self.joinables:
+                joinable.join_context = self
         return self
+
+    def hook_of(self, joinable: Joinable) -> JoinHook:
+        """The hook of ``joinable`` in this open context (DDP's forward asks for its own)."""
+        return next(h for j, h in zip(self.joinables, self.hooks) if j is joinable)
 
     # --8<-- [start:notify]
     def notify(self, will_sync: bool, rebuild: bool) -> Round:
@@ -142,19 +173,21 @@ class Join:
     # --8<-- [end:notify]
 
     def _round(self, **flags) -> Round:
-        return exchange_round(self.world_size, self.rank, self.joinable.join_device,
-                              self.joinable.join_process_group, **flags)
+        first = self.joinables[0]
+        return exchange_round(self.world_size, self.rank, first.join_device, first.join_process_group, **flags)
 
     # --8<-- [start:exit]
     def __exit__(self, exc_type, exc, tb):
         """This rank is out of data: answer rounds (``self._round``, inactive) until one finds nobody active. At
         each other round: remember its ranks in ``last_active``; with ``self.throw`` raise
-        ``EarlyTerminationError`` naming this rank (``f"rank {self.rank} ..."``), else ``self.hook.main_hook(plan)``
-        (warning once at ``WARN_AFTER_ROUNDS``). Then ``self.hook.post_hook(max(last_active))``, or ``world_size - 1``
-        while ``last_active`` is empty (no rank ever had data)."""
+        ``EarlyTerminationError`` naming this rank (``f"rank {self.rank} ..."``), else ``main_hook(plan)`` of every
+        hook in ``self.hooks``, in order (warning once at ``WARN_AFTER_ROUNDS``). Then every hook's
+        ``post_hook(max(last_active))``, or ``world_size - 1`` while ``last_active`` is empty (no rank ever had
+        data)."""
         if not self.enable:
             return False
-        self.joinable.join_context = None
+        for joinable in self.joinables:
+            joinable.join_context = None
         if exc_type is not None:  # an error inside the loop: propagate it, do not shadow anything
             return False
         ### BEGIN SOLUTION
@@ -170,9 +203,11 @@ class Join:
             if rounds == WARN_AFTER_ROUNDS:
                 warnings.warn(f"rank {self.rank} has shadowed {rounds} iterations of the other ranks: the inputs are "
                               "very uneven; consider balancing the shards", stacklevel=2)
-            self.hook.main_hook(plan)
-        # everyone takes the model of the highest rank among the last to finish
-        self.hook.post_hook(max(self.last_active) if self.last_active else self.world_size - 1)
+            for hook in self.hooks:  # in list order, as the active ranks issue them
+                hook.main_hook(plan)
+        # everyone takes the state of the highest rank among the last to finish
+        for hook in self.hooks:
+            hook.post_hook(max(self.last_active) if self.last_active else self.world_size - 1)
         ### END SOLUTION
         return False
     # --8<-- [end:exit]

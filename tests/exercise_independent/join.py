@@ -89,26 +89,33 @@ class Joinable(ABC):
 
 
 class Join:
-    """Context manager for uneven inputs around one ``Joinable``; see the module docstring."""
+    """Context manager for uneven inputs around a list of ``Joinable``; see the module docstring."""
 
-    def __init__(self, joinable: Joinable, enable: bool = True, throw_on_early_termination: bool = False,
+    def __init__(self, joinables: list[Joinable], enable: bool = True, throw_on_early_termination: bool = False,
                  **kwargs):
-        self.joinable = joinable  # whose collectives the joined ranks shadow
+        if not isinstance(joinables, (list, tuple)) or not joinables:
+            raise TypeError("Join takes a non-empty list of joinables: Join([ddp])")
+        self.joinables = list(joinables)  # the first one's forward runs the rounds
         self.enable = enable  # False: a plain no-op context (torch's flag)
         self.throw = throw_on_early_termination  # raise everywhere as soon as one rank runs out
-        self.kwargs = kwargs  # for joinable.join_hook (DDP: divide_by_initial_world_size)
-        self.hook: JoinHook | None = None  # the joinable's, while the context is open
-        self.world_size = dist.get_world_size(joinable.join_process_group)
-        self.rank = dist.get_rank(joinable.join_process_group)  # our rank inside the joinable's group
+        self.kwargs = kwargs  # for each joinable's join_hook (DDP: divide_by_initial_world_size)
+        self.hooks: dict[int, JoinHook] = {}  # id(joinable) -> its hook, while the context is open
+        self.group, self.device = self.joinables[0].join_process_group, self.joinables[0].join_device
+        self.world_size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)  # our rank inside the joinables' group
         self.last_active: tuple[int, ...] = ()  # who was active in the latest round with anyone active
 
     def __enter__(self):
         if self.enable:
-            if self.joinable.join_context is not None:
-                raise RuntimeError("DistributedDataParallel.join() is already open for this model; do not nest it")
-            self.hook = self.joinable.join_hook(**self.kwargs)
-            self.joinable.join_context = self
+            if any(j.join_context is not None for j in self.joinables):
+                raise RuntimeError("a joinable is already in an open Join; do not nest them")
+            self.hooks = {id(j): j.join_hook(**self.kwargs) for j in self.joinables}
+            for j in self.joinables:
+                j.join_context = self
         return self
+
+    def hook_of(self, joinable: Joinable) -> JoinHook:
+        return self.hooks[id(joinable)]
 
     # --8<-- [start:notify]
     def notify(self, will_sync: bool, rebuild: bool) -> Round:
@@ -123,14 +130,14 @@ class Join:
     # --8<-- [end:notify]
 
     def _round(self, **flags) -> Round:
-        return exchange_round(self.world_size, self.rank, self.joinable.join_device,
-                              self.joinable.join_process_group, **flags)
+        return exchange_round(self.world_size, self.rank, self.device, self.group, **flags)
 
     # --8<-- [start:exit]
     def __exit__(self, exc_type, exc, tb):
         if not self.enable:
             return False
-        self.joinable.join_context = None
+        for j in self.joinables:
+            j.join_context = None
         if exc_type is not None:  # an error inside the loop: propagate it, do not shadow anything
             return False
         shadowed = 0  # iterations of the active ranks this rank answered with zeros
@@ -141,14 +148,16 @@ class Join:
             if self.throw:  # the active ranks raise in this same round (notify)
                 raise EarlyTerminationError(f"rank {self.rank} exhausted its inputs (throw_on_early_termination="
                                             "True); raising on every rank")
-            self.hook.main_hook(plan)
+            for j in self.joinables:
+                self.hooks[id(j)].main_hook(plan)
             shadowed += 1
             if shadowed == WARN_AFTER_ROUNDS:
                 warnings.warn(f"rank {self.rank} has shadowed {shadowed} iterations of ranks {list(plan.active)} "
                               "in join(): the inputs are very uneven", UserWarning, stacklevel=2)
         finished_last = shadowed == 0  # active in the last round that had anyone active
-        claim = torch.tensor([self.rank if finished_last else -1], dtype=torch.int64, device=self.joinable.join_device)
-        dist.all_reduce(claim, op=dist.ReduceOp.MAX, group=self.joinable.join_process_group)
-        self.hook.post_hook(int(claim.item()))
+        claim = torch.tensor([self.rank if finished_last else -1], dtype=torch.int64, device=self.device)
+        dist.all_reduce(claim, op=dist.ReduceOp.MAX, group=self.group)
+        for j in self.joinables:
+            self.hooks[id(j)].post_hook(int(claim.item()))
         return False
     # --8<-- [end:exit]

@@ -23,10 +23,10 @@ from torch.utils.data import TensorDataset
 from miniddp import Trainer, TrainingConfig
 from miniddp.testing import run_on_ranks
 from miniddp.training.checkpoint import load_checkpoint
+from miniddp.training.checkpoint_dirs import checkpoints
 from miniddp.training.nonfinite import NonFiniteLossError
 from miniddp.training.output_dir import LOCK, OutputDirError, OutputDirLock, atomic_save, bytes_to_save
 from miniddp.training.tasks import make_task
-from miniddp.training.timeline import checkpoints
 
 SMALL = dict(max_steps=4, dataset_size=128, eval_size=0, per_device_train_batch_size=8, disable_tqdm=True)
 

@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 
 from miniddp import Trainer, TrainingConfig
 from miniddp.testing import run_on_ranks
+from miniddp.training.checkpoint_dirs import checkpoints
 from miniddp.training.resume import SetupChangedError
 from miniddp.training.tasks import make_task
-from miniddp.training.timeline import checkpoints
 
 # 2 ranks x 8 per device over 200 samples: 13 batches per rank, windows of 3 -> [3, 3, 3, 3, 1]
 # (a short last window), 5 optimizer steps per epoch; 12 steps cross two epoch boundaries.

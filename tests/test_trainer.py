@@ -13,8 +13,8 @@ from torch.utils.data import TensorDataset
 from miniddp import Trainer, TrainingConfig
 from miniddp.testing import RankError, run_on_ranks
 from miniddp.training.checkpoint import CHECKPOINT_ERRORS, CorruptCheckpointError
+from miniddp.training.checkpoint_dirs import checkpoints
 from miniddp.training.tasks import make_task
-from miniddp.training.timeline import checkpoints
 
 
 def _train(rank, world_size, overrides, double=True):

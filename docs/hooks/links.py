@@ -167,7 +167,7 @@ API_OF = {
                    "miniddp.training.prepare",
                    "miniddp.training.reporting", "miniddp.training.report_to",
                    "miniddp.training.trainer_checkpoint", "miniddp.training.checkpoint",
-                   "miniddp.training.timeline", "miniddp.training.every_rank", "miniddp.training.resume",
+                   "miniddp.training.checkpoint_dirs", "miniddp.training.every_rank", "miniddp.training.resume",
                    "miniddp.training.output_dir", "miniddp.training.nonfinite", "miniddp.training.cli",
                    "miniddp.training.tasks", "miniddp.training.batches"],
     "your-script.md": ["miniddp.training.trainer", "miniddp.training.batches"],

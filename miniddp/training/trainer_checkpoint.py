@@ -28,9 +28,9 @@ import sys
 from pathlib import Path
 
 from .checkpoint import load_checkpoint_on_every_rank, load_states, save_checkpoint
+from .checkpoint_dirs import checkpoints, set_aside_later_results
 from .every_rank import on_every_rank
 from .resume import apply_new_schedule, check_position, compare_setups, position_in_new_units, set_rng_state
-from .timeline import checkpoints, set_aside_later_results
 
 
 class TrainerCheckpointing:

@@ -1,4 +1,4 @@
-"""The checkpoint timeline: the ``checkpoint-<step>/`` directories of one output_dir, oldest first.
+"""The checkpoint directories: the ``checkpoint-<step>/`` of one output_dir, oldest first (its timeline).
 
 What
     Names on disk, never the bytes inside (``checkpoint.py`` owns those). ``checkpoints`` lists the

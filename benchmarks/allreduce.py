@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from miniddp.by_hand.averaging import average_gradients, naive_all_reduce, ring_all_reduce
-from miniddp.testing import run_on_ranks
+from miniddp.launching.spawn import run_on_ranks
 
 METHODS = ["dist.all_reduce", "ring_all_reduce", "naive_all_reduce", "per-parameter"]
 OUT = Path(__file__).resolve().parent / "results" / "allreduce.json"

@@ -44,7 +44,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
 from miniddp import comm_hooks
-from miniddp.testing import run_on_ranks
+from miniddp.launching.spawn import run_on_ranks
 from miniddp.training.tasks import make_task
 
 HERE = Path(__file__).parent

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import miniddp
 from miniddp.diagnostics.timeline import plot_timeline
 from miniddp.diagnostics.trace import Tracer, step_summary
-from miniddp.testing import run_on_ranks
+from miniddp.launching.spawn import run_on_ranks
 
 HERE = Path(__file__).resolve().parent
 MODES = ("eager", "compiled", "split")

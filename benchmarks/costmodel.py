@@ -40,11 +40,11 @@ from pathlib import Path
 import torch
 
 import miniddp
+from miniddp.costmodel.alpha_beta import fit_alpha_beta, measure_all_reduce, measure_overlap_cost
+from miniddp.costmodel.simulate import assignment_in_ready_order, naive_step_time, predict_step_time
+from miniddp.costmodel.step_profile import StepProfile
 from miniddp.diagnostics.trace import Tracer, step_summary
-from miniddp.engine.alpha_beta import fit_alpha_beta, measure_all_reduce, measure_overlap_cost
-from miniddp.engine.costmodel import assignment_in_ready_order, naive_step_time, predict_step_time
-from miniddp.engine.step_profile import StepProfile
-from miniddp.testing import run_on_ranks
+from miniddp.launching.spawn import run_on_ranks
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
-from miniddp.testing import run_on_ranks
+from miniddp.launching.spawn import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from timeline import gelu_mlp  # noqa: E402  (one definition of the workload)

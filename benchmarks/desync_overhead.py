@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import miniddp
-from miniddp.testing import run_on_ranks
+from miniddp.launching.spawn import run_on_ranks
 
 
 def timed(work, count: int, group) -> float:

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
 from miniddp.diagnostics.trace import Tracer
-from miniddp.testing import run_on_ranks
+from miniddp.launching.spawn import run_on_ranks
 
 DEVICE = os.environ.get("GPU_CHECK_DEVICE", "cuda")  # "cpu": a dry run of this script on a machine without GPU
 

@@ -18,7 +18,7 @@ import time
 import torch
 
 from miniddp.engine.no_sync import ChangedInWindow
-from miniddp.testing import run_on_ranks
+from miniddp.launching.spawn import run_on_ranks
 
 
 def check_per_call(num_params: int, reps: int = 2000) -> float:

@@ -2,7 +2,7 @@
 
 Run:  python benchmarks/launch_cost.py [--world-size 2] [--repeats 5]
 
-Each launch starts ``world_size`` processes through ``miniddp.testing.run_on_ranks``,
+Each launch starts ``world_size`` processes through ``miniddp.launching.spawn.run_on_ranks``,
 joins them in a gloo process group, runs one all-reduce and collects the result:
 the fixed price every multi-rank test pays. ``forkserver`` is reported twice: its
 first launch (which starts the server and imports torch in it) and the later ones.
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from miniddp.testing import run_on_ranks
+from miniddp.launching.spawn import run_on_ranks
 
 
 def one_all_reduce(rank, world_size):

@@ -261,7 +261,7 @@ def plot(results: list[dict], path: Path, ranks=(2, 8)) -> None:
 
 
 def main(argv=None):
-    from miniddp.testing import run_on_ranks
+    from miniddp.launching.spawn import run_on_ranks
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)

@@ -2,7 +2,7 @@
 
 Run (as root):  python benchmarks/network.py --json benchmarks/results/network.json [--quick]
 
-Two ranks, one per "host" of ``miniddp.netlab`` (network namespaces joined by a veth pair, both
+Two ranks, one per "host" of ``miniddp.testing.netlab`` (network namespaces joined by a veth pair, both
 ends shaped with tbf), gloo over that link, the 6x1024 GELU MLP of ``benchmarks/timeline.py``
 (21 MiB of fp32 gradients, batch 32), SGD. For each link (1, 3, 10 Gbit/s, unshaped) a fresh
 pair of rank processes builds every configuration on copies of one model:
@@ -18,7 +18,7 @@ configurations take turns, one step each, in an order that rotates every round. 
 forward + backward + optimizer, the slowest rank's time. Reported: each configuration's
 median, and the median of per-round ratios to torch fp32.
 
-Predicted: ``miniddp.engine.costmodel`` replays the plain model's traced gradient-ready times,
+Predicted: ``miniddp.costmodel.simulate`` replays the plain model's traced gradient-ready times,
 with DDP's bucket copies added (``with_bucket_copies``), with each configuration's buckets, on
 the α–β fitted on that link and the overlap cost measured there; a hook is a ``Compression``
 (its wire bytes, collectives, and compute measured once, on both ranks at once). The crossover is
@@ -151,8 +151,8 @@ def worker(args) -> None:
 
     import miniddp
     from miniddp import comm_hooks
+    from miniddp.costmodel.alpha_beta import measure_all_reduce, measure_overlap_cost
     from miniddp.diagnostics.trace import Tracer
-    from miniddp.engine.alpha_beta import measure_all_reduce, measure_overlap_cost
 
     from timeline import gelu_mlp
 
@@ -220,7 +220,7 @@ def main() -> None:
         return worker(args)
     from network_analysis import analyse, plot, print_table
 
-    from miniddp import netlab
+    from miniddp.testing import netlab
 
     why = netlab.unavailable()
     if why:

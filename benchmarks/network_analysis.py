@@ -18,9 +18,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from miniddp.engine.alpha_beta import AlphaBeta, fit_alpha_beta  # noqa: E402
-from miniddp.engine.costmodel import Compression, predict_step_time, with_bucket_copies  # noqa: E402
-from miniddp.engine.step_profile import StepProfile  # noqa: E402
+from miniddp.costmodel.alpha_beta import AlphaBeta, fit_alpha_beta  # noqa: E402
+from miniddp.costmodel.simulate import Compression, predict_step_time, with_bucket_copies  # noqa: E402
+from miniddp.costmodel.step_profile import StepProfile  # noqa: E402
 
 PSGD = "PowerSGD r4"
 

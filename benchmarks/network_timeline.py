@@ -2,7 +2,7 @@
 
 Run (as root):  python benchmarks/network_timeline.py [--rate 1] [--bucket-cap-mb 5]   (about 30 s)
 
-Two ranks, one per host of ``miniddp.netlab`` (a veth pair shaped with tbf on both ends),
+Two ranks, one per host of ``miniddp.testing.netlab`` (a veth pair shaped with tbf on both ends),
 the 6x1024 GELU MLP of ``benchmarks/timeline.py``, ``miniddp.DistributedDataParallel`` with a
 ``Tracer``. Overlap on: the reducer as it is, each bucket launched once it is full. Overlap
 off: the same reducer with every launch held back to the end of the backward (the negative
@@ -75,8 +75,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return worker(args)
-    from miniddp import netlab
     from miniddp.diagnostics.timeline import plot_timeline
+    from miniddp.testing import netlab
 
     why = netlab.unavailable()
     if why:

@@ -2,7 +2,7 @@
 
 Run:  python benchmarks/scaling.py      (seconds; no GPU, no network: the cost model alone)
 
-The cost model (``miniddp.engine.costmodel``) needs a backward (when each gradient is ready)
+The cost model (``miniddp.costmodel.simulate``) needs a backward (when each gradient is ready)
 and a network (α, β). Here both are built, not traced:
 
 - **ResNet50's gradients** from its architecture (torchvision's resnet50, v1.5: the stride on
@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-from miniddp.engine.alpha_beta import AlphaBeta
-from miniddp.engine.costmodel import predict_step_time
-from miniddp.engine.step_profile import StepProfile
+from miniddp.costmodel.alpha_beta import AlphaBeta
+from miniddp.costmodel.simulate import predict_step_time
+from miniddp.costmodel.step_profile import StepProfile
 
 HERE = Path(__file__).resolve().parent
 STEP_NO_DDP_S = 0.097  # torch's table: ResNet50, batch 32, one V100, no DDP

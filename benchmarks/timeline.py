@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import miniddp
 from miniddp.diagnostics.timeline import plot_timeline
 from miniddp.diagnostics.trace import Tracer, save_chrome_trace, step_summary
-from miniddp.testing import run_on_ranks
+from miniddp.launching.spawn import run_on_ranks
 
 HERE = Path(__file__).parent
 

@@ -23,7 +23,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from miniddp import Trainer, TrainingConfig  # noqa: E402
-from miniddp.testing import run_on_ranks  # noqa: E402
+from miniddp.launching.spawn import run_on_ranks  # noqa: E402
 from miniddp.training.tasks import make_task  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,6 +18,7 @@ from .engine.bucketing import compute_bucket_assignment
 from .engine.ddp import DistributedDataParallel, WrappedAgainError
 from .engine.ddp_optimizer import DDPOptimizer
 from .engine.static_graph import StaticGraphChangedError
+from .costmodel import auto_bucket as _auto_bucket  # noqa: F401  bucket_cap_mb="auto" attaches itself to the engine
 from . import comm_hooks  # miniddp.comm_hooks.allreduce_hook, ..., PowerSGDState, powerSGD_hook
 from .engine.no_sync import accumulation_windows, no_sync, should_sync
 from .by_hand.sharding import ShardSampler
@@ -64,6 +65,6 @@ __all__ = [
 ]
 
 if _environ.get("MINIDDP_EXERCISE"):  # `miniddp exercise check`: the learner's names in place
-    from .exercise.swap import apply_from_env
+    from .teaching.exercise.swap import apply_from_env
 
     apply_from_env()

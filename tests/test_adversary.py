@@ -25,14 +25,14 @@ from torch.utils.data import TensorDataset
 
 import miniddp
 from miniddp import Trainer, TrainingConfig
-from miniddp.testing import run_on_ranks
-from miniddp.training.accelerate_config import LaunchError, ignored_settings, read_config
+from miniddp.launching.accelerate_config import LaunchError, ignored_settings, read_config
+from miniddp.launching.launch import main as launch_main
+from miniddp.launching.spawn import run_on_ranks
+from miniddp.launching.torchrun_args import script_env, torchrun_args
 from miniddp.training.checkpoint_dirs import MANIFEST, checkpoints
 from miniddp.training.cli import main as train_main
-from miniddp.training.launch import main as launch_main
 from miniddp.training.output_dir import LOCK, OutputDirError, claim_output_dir
 from miniddp.training.tasks import make_task
-from miniddp.training.torchrun_args import script_env, torchrun_args
 
 from models import MODELS
 

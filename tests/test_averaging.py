@@ -22,7 +22,8 @@ from miniddp.by_hand.averaging import (
     ring_all_reduce,
     ring_schedule,
 )
-from miniddp.testing import backend_params, run_on_ranks
+from miniddp.launching.spawn import run_on_ranks
+from miniddp.testing import backend_params
 
 from issued import Issued
 

@@ -5,8 +5,9 @@ import torch
 import torch.distributed as dist
 
 import miniddp
+from miniddp.launching.spawn import run_on_ranks
 from miniddp.process_group import backend as backend_mod
-from miniddp.testing import backend_params, run_on_ranks
+from miniddp.testing import backend_params
 
 
 def test_mapping_agrees_with_torch_default_map():

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import miniddp
 from miniddp.diagnostics.trace import Tracer
 from miniddp.engine.bucketing import Bucket, MiB, bucket_size_limits
-from miniddp.testing import run_on_ranks
+from miniddp.launching.spawn import run_on_ranks
 
 from issued import Issued  # the collectives a rank issues, seen at the dispatcher
 from models import MODELS

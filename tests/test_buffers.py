@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import miniddp
 from miniddp.engine.buffers import ParameterMismatchError, broadcast_coalesced
-from miniddp.testing import RankError, run_on_ranks
+from miniddp.launching.spawn import RankError, run_on_ranks
 
 from models import MODELS
 

@@ -26,8 +26,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from miniddp.launching.spawn import run_on_ranks
 from miniddp.process_group.clean_exit import destroy_process_group, gloo_threads
-from miniddp.testing import run_on_ranks
 
 SCRIPTS = Path(__file__).resolve().parent / "exit_scripts"
 TORCHRUN = Path(sys.executable).parent / "torchrun"

@@ -28,8 +28,8 @@ import miniddp
 from miniddp import comm_hooks
 from miniddp.comm_hooks import GradBucket, call_order, count_bytes
 from miniddp.comm_hooks.powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook, powersgd_reference
-from miniddp.exercise.swap import current
-from miniddp.testing import run_on_ranks
+from miniddp.launching.spawn import run_on_ranks
+from miniddp.teaching.exercise.swap import current
 
 from models import MODELS
 

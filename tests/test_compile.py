@@ -15,7 +15,7 @@ import torch.nn as nn
 
 import miniddp
 from miniddp.engine.ddp_optimizer import DDPOptimizer
-from miniddp.testing import run_on_ranks
+from miniddp.launching.spawn import run_on_ranks
 from miniddp.training.cli import parse_config
 from miniddp.training.tasks import make_task
 

@@ -14,7 +14,7 @@ import pytest
 import torch.utils.checkpoint
 
 from miniddp import TrainingConfig
-from miniddp.testing import run_on_ranks
+from miniddp.launching.spawn import run_on_ranks
 from miniddp.training import config_checks
 from miniddp.training.cli import build_parser, parse_config
 from miniddp.training.config import choices, field_help

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from miniddp.training.accelerate_config import default_config_file, read_config
-from miniddp.training.config_command import main as config_main
-from miniddp.training.env_command import report
+from miniddp.launching.accelerate_config import default_config_file, read_config
+from miniddp.launching.config_command import main as config_main
+from miniddp.launching.env_command import report
 
-MINIDDP = [sys.executable, "-m", "miniddp.cli"]
+MINIDDP = [sys.executable, "-m", "miniddp.__main__"]
 
 
 def _typed(argv, answers, env, timeout=60.0) -> str:

@@ -8,19 +8,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import miniddp
-from miniddp.diagnostics.trace import Tracer, step_summary
-from miniddp.engine.alpha_beta import AlphaBeta, fit_alpha_beta, measure_all_reduce, measure_overlap_cost
-from miniddp.engine.auto_bucket import CANDIDATE_CAPS, choose_bucket_cap_mb, profile_from_ready
-from miniddp.engine.bucketing import MiB, bucket_size_limits
-from miniddp.engine.costmodel import (
+from miniddp.costmodel.alpha_beta import AlphaBeta, fit_alpha_beta, measure_all_reduce, measure_overlap_cost
+from miniddp.costmodel.auto_bucket import CANDIDATE_CAPS, choose_bucket_cap_mb, profile_from_ready
+from miniddp.costmodel.simulate import (
     assignment_in_ready_order,
     best_bucket_cap_mb,
     naive_step_time,
     predict_step_time,
     simulate,
 )
-from miniddp.engine.step_profile import StepProfile
-from miniddp.testing import run_on_ranks
+from miniddp.costmodel.step_profile import StepProfile
+from miniddp.diagnostics.trace import Tracer, step_summary
+from miniddp.engine.bucketing import MiB, bucket_size_limits
+from miniddp.launching.spawn import run_on_ranks
 
 
 def profile(ready, nbytes, forward=0.0, optimizer=0.0, tail=0.0, compute_end=0.0) -> StepProfile:
@@ -222,7 +222,7 @@ def test_a_profile_read_from_a_real_trace_adds_up_and_predicts_ddps_own_buckets(
 
 
 # --8<-- [start:auto]
-# bucket_cap_mb="auto": the cost model picks the cap at the rebuild (miniddp/engine/auto_bucket.py)
+# bucket_cap_mb="auto": the cost model picks the cap at the rebuild (miniddp/costmodel/auto_bucket.py)
 
 def test_auto_picks_the_hand_computed_cap_for_each_overlap_cost():
     # the hand-computed timeline of test_best_bucket_cap_is_the_hand_computed_one, as ready-time dicts

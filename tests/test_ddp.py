@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
-from miniddp.testing import backend_params, run_on_ranks
+from miniddp.launching.spawn import run_on_ranks
+from miniddp.testing import backend_params
 
 from models import MODELS
 

@@ -22,7 +22,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
-from miniddp.testing import run_on_ranks
+from miniddp.launching.spawn import run_on_ranks
 
 IMPLS = {"torch": TorchDDP, "ours": miniddp.DistributedDataParallel}
 

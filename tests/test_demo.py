@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-from miniddp.testing import run_on_ranks
+from miniddp.launching.spawn import run_on_ranks
 
 
 def _run(nproc: int, batch: int) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "miniddp.demo", "--epochs", "2", "--per_device_train_batch_size", str(batch)]
+           "-m", "miniddp.teaching.demo", "--epochs", "2", "--per_device_train_batch_size", str(batch)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
@@ -23,7 +23,7 @@ def _run(nproc: int, batch: int) -> str:
 def _one_process(rank, world_size, argv):
     """The oracle, one process on the whole batch: the same main() in a harness rank (torchrun's variables
     set, torch already imported), not a second torchrun with two fresh interpreters."""
-    from miniddp.demo import main
+    from miniddp.teaching.demo import main
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):

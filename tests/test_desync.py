@@ -21,8 +21,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
+from miniddp.launching.spawn import run_on_ranks
 from miniddp.process_group import debug_backend, fingerprint
-from miniddp.testing import backend_params, run_on_ranks
+from miniddp.testing import backend_params
 
 from models import MLP
 

@@ -58,7 +58,7 @@ def _lines(rendered_html: str) -> set[str]:
 
 def _solution_lines(source: Path) -> set[str]:
     """The lines of the source's solution blocks that appear nowhere else in it."""
-    from miniddp.exercise.skeleton import BEGIN, END
+    from miniddp.teaching.exercise.skeleton import BEGIN, END
 
     text = source.read_text(encoding="utf-8")
     parts = [block.split(END) for block in text.split(BEGIN)[1:]]
@@ -70,7 +70,7 @@ def _solution_lines(source: Path) -> set[str]:
 
 def test_the_pages_the_checker_links_to_fold_every_solution():
     """``miniddp exercise check`` names docs/<page>: no line of an exercise's solution is shown open there."""
-    from miniddp.exercise.catalog import EXERCISES
+    from miniddp.teaching.exercise.catalog import EXERCISES
 
     pages: dict[str, set[str]] = {}
     for e in EXERCISES:

@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 
 import miniddp
+from miniddp.launching.spawn import run_on_ranks
 from miniddp.process_group.env import DistEnv
 from miniddp.process_group.slurm import parse_slurm_tasks_per_node
-from miniddp.testing import run_on_ranks
 
 
 @pytest.mark.parametrize("nodelist, hosts", [

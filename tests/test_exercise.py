@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from miniddp.exercise.catalog import BY_NAME, EXERCISES
-from miniddp.exercise.cli import main, run_check, run_checks
-from miniddp.exercise.skeleton import BEGIN, END, make_skeleton, reference_without_markers
-from miniddp.exercise.swap import LearnerFileError
+from miniddp.teaching.exercise.catalog import BY_NAME, EXERCISES
+from miniddp.teaching.exercise.exercise_command import main, run_check, run_checks
+from miniddp.teaching.exercise.skeleton import BEGIN, END, make_skeleton, reference_without_markers
+from miniddp.teaching.exercise.swap import LearnerFileError
 
 ROOT = Path(__file__).resolve().parents[1]
 INDEPENDENT = ROOT / "tests" / "exercise_independent"  # correct solutions unlike the reference: the spec is fair
@@ -316,7 +316,7 @@ def test_a_syntax_error_is_one_line_naming_the_file_and_line(tmp_path):
 
 
 def test_an_unknown_exercise_lists_the_valid_ones():
-    result = subprocess.run([sys.executable, "-m", "miniddp.cli", "exercise", "check", "shardng"],
+    result = subprocess.run([sys.executable, "-m", "miniddp", "exercise", "check", "shardng"],
                             capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 2
     assert all(e.name in result.stderr for e in EXERCISES) and "Traceback" not in result.stderr
@@ -325,7 +325,7 @@ def test_an_unknown_exercise_lists_the_valid_ones():
 def test_use_puts_the_learners_names_everywhere_and_the_reference_back(tmp_path):
     import miniddp
     import miniddp.by_hand.sharding as reference
-    from miniddp.exercise import swap
+    from miniddp.teaching.exercise import swap
 
     original = reference.ShardSampler
     path = _write(tmp_path, "sharding", _reference("sharding"))

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from miniddp.comm_hooks.grad_bucket import hook_result
-from miniddp.exercise import cli
-from miniddp.exercise.catalog import EXERCISES
-from miniddp.exercise.cli import main, run_checks
+from miniddp.teaching.exercise import cli
+from miniddp.teaching.exercise.catalog import EXERCISES
+from miniddp.teaching.exercise.exercise_command import main, run_checks
 
 S, A = "tests/test_sharding.py::", "tests/test_averaging.py::"
 SAME, EDGE = S + "test_same_indices_as_torch_distributed_sampler", S + "test_edge_cases_match_torch"
@@ -188,7 +188,7 @@ def test_the_default_all_reduce_is_not_called_a_comm_hook():
 
 
 def test_a_block_not_written_yet_shows_no_example_and_a_wrong_value_does():
-    from miniddp.exercise.reasons import explain
+    from miniddp.teaching.exercise.reasons import explain
 
     todo, wrong = NotImplementedError("sharding: write ShardSampler here"), AssertionError("rank 1 differs")
     for exc in (todo, wrong):

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 import miniddp
 from miniddp.engine.buffers import ParameterMismatchError
-from miniddp.testing import RankError, run_on_ranks
+from miniddp.launching.spawn import RankError, run_on_ranks
 from miniddp.training.checkpoint import load_checkpoint, save_checkpoint
 
 from models import MODELS

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
 from miniddp.engine.join import EarlyTerminationError, Join, Joinable, JoinHook
-from miniddp.testing import run_on_ranks
+from miniddp.launching.spawn import run_on_ranks
 
 from models import MODELS
 

@@ -14,10 +14,10 @@ import torch
 import yaml
 
 from miniddp import TrainingConfig
-from miniddp.notebook import notebook_launcher
-from miniddp.training.accelerate_config import read_config
-from miniddp.training.launch import main, split_argv
-from miniddp.training.torchrun_args import torchrun_args, train_flags
+from miniddp.launching.accelerate_config import read_config
+from miniddp.launching.launch import main, split_argv
+from miniddp.launching.notebook import notebook_launcher
+from miniddp.launching.torchrun_args import torchrun_args, train_flags
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "docs" / "examples"
 MINIDDP = Path(sys.executable).parent / "miniddp"  # the installed console script, beside this python
@@ -286,7 +286,7 @@ def test_a_default_config_path_that_is_a_directory_is_refused(tmp_path, script, 
 def test_more_processes_than_cpu_cores_is_warned_about_not_refused(tmp_path, script, capsys, monkeypatch, more):
     import torch.distributed.run
 
-    from miniddp.training.launch_checks import cpu_cores
+    from miniddp.launching.launch_checks import cpu_cores
 
     started = []
     monkeypatch.setattr(torch.distributed.run, "main", started.append)  # torchrun itself is not run
@@ -378,7 +378,7 @@ TRAIN = ["--max_steps", "6", "--dataset_size", "256", "--eval_size", "64", "--di
 
 @pytest.mark.timeout(300)
 def test_two_nodes_on_loopback_equal_one_node_with_four_processes(tmp_path):
-    from miniddp.netlab import unavailable  # two real hosts as network namespaces
+    from miniddp.testing.netlab import unavailable  # two real hosts as network namespaces
 
     if unavailable(shaping=False) is None:  # the same two-machine YAML across two real hosts: test_two_hosts.py
         pytest.skip("covered across two network namespaces by tests/test_two_hosts.py")

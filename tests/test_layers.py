@@ -1,5 +1,5 @@
-"""The house rules, as tests: the layers of docs/index.md hold, nothing imports in a cycle, and every
-module stays small enough to read in one sitting.
+"""The house rules, as tests: the layers of docs/index.md hold, `ls miniddp` shows them, nothing imports in
+a cycle, and every module stays small enough to read in one sitting.
 
 import-linter (its contracts are in pyproject.toml, `.ci/run` runs it) is checked here against
 negative controls: a copy of the package with one import that runs the wrong way must break the
@@ -9,12 +9,14 @@ contract that forbids it, so a contract that silently stopped checking would fai
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "miniddp"
@@ -48,7 +50,14 @@ def test_the_package_keeps_its_layers():
     ("engine/_probe.py", "from ..training import config", LAYERS),  # the engine reaching up to training
     ("process_group/_probe.py", "from ..engine import bucketing", LAYERS),  # the ground floor reaching up
     ("engine/_probe.py", "from ..diagnostics import trace", LAYERS),  # diagnostics attach as observers only
+    ("engine/_probe.py", "from ..costmodel import simulate", LAYERS),  # so does the cost model ("auto")
+    ("engine/_probe.py", "from .. import zero", LAYERS),  # sharding builds on the engine, not the reverse
+    ("zero/_probe.py", "from ..training import config", LAYERS),  # ZeRO sits below training
+    ("diagnostics/_probe.py", "from ..costmodel import simulate", LAYERS),  # two independent rooms
+    ("training/_probe.py", "from ..launching import spawn", LAYERS),  # training never starts processes
+    ("launching/_probe.py", "from ..teaching import demo", LAYERS),  # launching is below teaching
     ("training/_probe.py", "from .. import testing", NO_HARNESS),  # the library importing its test harness
+    ("teaching/_probe.py", "from ..testing import netlab", NO_HARNESS),  # even the top of the library
     ("by_hand/_probe.py", "from ..comm_hooks import grad_bucket", LAYERS),  # two independent layers
 ])
 def test_an_import_the_wrong_way_breaks_its_contract(tmp_path, where, line, contract):
@@ -76,12 +85,25 @@ def test_every_module_is_at_most_250_lines():
     assert {path: n for path, n in sizes.items() if n > MAX_LINES} == {}
 
 
-# Three command-line front ends still share a name (the console script's, the trainer's, the exercises');
-# the launching and teaching rooms will name them apart. Any other shared name fails here.
-STILL_SHARED = {"cli.py"}
-
-
 def test_no_two_modules_share_a_file_name():
     names = [p.name for p in (ROOT / "miniddp").rglob("*.py") if p.name != "__init__.py"]
-    shared = {n for n in names if names.count(n) > 1}
-    assert shared == STILL_SHARED, f"shared module names: {sorted(shared)} (expected only {sorted(STILL_SHARED)})"
+    assert len(names) > 30
+    assert sorted({n for n in names if names.count(n) > 1}) == []
+
+
+def _contract_layers() -> list[list[str]]:
+    """The layers contract's rows, ground floor first, each as its modules' names under miniddp."""
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    rows = next(c["layers"] for c in contracts if c["name"] == LAYERS)
+    return [[m.strip().removeprefix("miniddp.") for m in re.split(r"[|:]", row)] for row in reversed(rows)]
+
+
+def test_the_docs_the_contracts_and_the_folders_name_the_same_layers():
+    index = (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
+    documented = re.findall(r"^\| [^|]+ \| `miniddp/(\w+)/` \|", index, re.M)  # the layers table, ground floor first
+    folders = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
+    contracted = [m for row in _contract_layers() for m in row if (PACKAGE / m / "__init__.py").exists()]
+    assert sorted(documented) == folders == sorted(contracted)
+    assert documented == contracted  # the same order: a row of the table never sits above one it may not import
+    for module in (m for row in _contract_layers() for m in row if m not in contracted):
+        assert (PACKAGE / f"{module}.py").exists(), module  # the entry points the contract names (__main__, train)

@@ -17,7 +17,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from miniddp.by_hand.averaging import average_gradients
 from miniddp.by_hand.sharding import ShardSampler
-from miniddp.testing import backend_params, run_on_ranks
+from miniddp.launching.spawn import run_on_ranks
+from miniddp.testing import backend_params
 
 N_SAMPLES = 22  # not a multiple of 3 or 4: the samplers pad, and the oracle must agree
 BATCH_PER_RANK = 2

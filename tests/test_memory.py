@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miniddp.testing import run_on_ranks
+from miniddp.launching.spawn import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # benchmarks/ is a folder of scripts, not an installed package

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from miniddp import netlab
+from miniddp.testing import netlab
 
 WHY = netlab.unavailable()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=WHY or "")
@@ -75,7 +75,7 @@ def test_bad_rates_are_named():
 
 CPU_SHARE = """
 import torch, torch.distributed as dist
-from miniddp.engine.alpha_beta import measure_cpu_share
+from miniddp.costmodel.alpha_beta import measure_cpu_share
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 print(measure_cpu_share(2**22, reps=3))

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
-from miniddp.testing import run_on_ranks
+from miniddp.launching.spawn import run_on_ranks
 
 from models import MODELS
 

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from miniddp import Trainer, TrainingConfig
-from miniddp.testing import run_on_ranks
+from miniddp.launching.spawn import run_on_ranks
 from miniddp.training.checkpoint import load_checkpoint
 from miniddp.training.checkpoint_dirs import checkpoints
 from miniddp.training.nonfinite import NonFiniteLossError

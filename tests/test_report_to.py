@@ -9,7 +9,7 @@ import os
 import pytest
 
 from miniddp import Trainer, TrainingConfig
-from miniddp.testing import run_on_ranks
+from miniddp.launching.spawn import run_on_ranks
 from miniddp.training.output_dir import LOCK, OutputDirError, claim_output_dir
 from miniddp.training.report_to import Reporter
 from miniddp.training.tasks import make_task

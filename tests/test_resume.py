@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from miniddp import Trainer, TrainingConfig
-from miniddp.testing import run_on_ranks
+from miniddp.launching.spawn import run_on_ranks
 from miniddp.training.checkpoint_dirs import checkpoints
 from miniddp.training.resume import SetupChangedError
 from miniddp.training.tasks import make_task

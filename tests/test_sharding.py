@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from miniddp.by_hand.sharding import ShardSampler
-from miniddp.testing import RankError, backend_params, run_on_ranks
+from miniddp.launching.spawn import RankError, run_on_ranks
+from miniddp.testing import backend_params
 
 
 class Sized:

@@ -14,8 +14,8 @@ from torch.utils.checkpoint import checkpoint
 
 import miniddp
 from miniddp.engine.static_graph import StaticGraphChangedError
-from miniddp.exercise.swap import current
-from miniddp.testing import run_on_ranks
+from miniddp.launching.spawn import run_on_ranks
+from miniddp.teaching.exercise.swap import current
 
 
 # --8<-- [start:model]

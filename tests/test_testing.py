@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
-from miniddp.testing import RankError, RankTimeout, run_on_ranks
+from miniddp.launching.spawn import RankError, RankTimeout, run_on_ranks
 
 
 def _rank_info(rank, world_size, offset):
@@ -272,7 +272,7 @@ def _descendants_then_sleep(rank, world_size, pid_dir):
 CALLER = """
 import sys
 sys.path.insert(0, {tests!r})
-from miniddp.testing import run_on_ranks
+from miniddp.launching.spawn import run_on_ranks
 from test_testing import _descendants_then_sleep
 
 if __name__ == "__main__":

@@ -9,9 +9,10 @@ import torch
 import torch.distributed as dist
 
 import miniddp
+from miniddp.launching.spawn import run_on_ranks
 from miniddp.process_group.monitored_barrier import monitored_barrier
 from miniddp.process_group.stalled_ranks import naming_stalled_ranks
-from miniddp.testing import backend_params, run_on_ranks
+from miniddp.testing import backend_params
 
 
 @pytest.mark.parametrize("value, seconds", [(1800, 1800), (2.5, 2.5), (timedelta(minutes=2), 120)])

@@ -13,7 +13,8 @@ import miniddp
 from miniddp.diagnostics.timeline import plot_timeline
 from miniddp.diagnostics.trace import Tracer, save_chrome_trace, step_summary, to_chrome_trace
 from miniddp.engine.observers import ReducerObserver
-from miniddp.testing import backend_params, run_on_ranks
+from miniddp.launching.spawn import run_on_ranks
+from miniddp.testing import backend_params
 
 from models import MODELS
 

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from miniddp import Trainer, TrainingConfig
-from miniddp.testing import RankError, run_on_ranks
+from miniddp.launching.spawn import RankError, run_on_ranks
 from miniddp.training.checkpoint import CHECKPOINT_ERRORS, CorruptCheckpointError
 from miniddp.training.checkpoint_dirs import checkpoints
 from miniddp.training.tasks import make_task

@@ -11,7 +11,7 @@ from torch.utils.data import Dataset
 
 from miniddp import Trainer, TrainingConfig
 from miniddp.engine.ddp import move_to
-from miniddp.testing import RankError, run_on_ranks
+from miniddp.launching.spawn import RankError, run_on_ranks
 
 VOCAB, LENGTH, CLASSES = 12, 10, 5
 

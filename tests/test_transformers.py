@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
 from miniddp import Trainer, TrainingConfig
-from miniddp.testing import run_on_ranks
+from miniddp.launching.spawn import run_on_ranks
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install -e '.[hf]'")
 

@@ -1,7 +1,7 @@
 """Two real hosts: a 2-node job across two network namespaces, then a cable pulled out mid-run.
 
 Hosts A (10.77.0.1) and B (10.77.0.2) are network namespaces joined by a veth pair
-(``miniddp/netlab.py``): each has its own interface and address, and they share the
+(``miniddp/testing/netlab.py``): each has its own interface and address, and they share the
 filesystem, as hosts with a shared filesystem do. On them, with 2 processes per host:
 
 * ``torchrun --rdzv-backend c10d`` trains the same model, bit for bit, as one host
@@ -44,8 +44,8 @@ import torch.distributed as dist
 import yaml
 
 import miniddp.process_group.stalled_ranks as stalled_ranks
-from miniddp.netlab import Host, two_hosts, unavailable
-from miniddp.testing import run_on_ranks
+from miniddp.launching.spawn import run_on_ranks
+from miniddp.testing.netlab import Host, two_hosts, unavailable
 from miniddp.training.checkpoint import MANIFEST, load_checkpoint
 
 BIN = Path(sys.executable).parent  # torchrun and the miniddp console script, beside this python

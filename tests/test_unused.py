@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
 from miniddp.engine.unused import UnusedParameterError, unused_parameters
-from miniddp.testing import run_on_ranks
+from miniddp.launching.spawn import run_on_ranks
 
 from models import MODELS
 

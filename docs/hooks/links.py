@@ -158,7 +158,7 @@ API_OF = {
     "ddp.md": ["miniddp.engine.ddp", "miniddp.engine.ownership", "miniddp.engine.inputs",
                "miniddp.engine.ddp_optimizer"],
     "performance.md": ["miniddp.diagnostics.trace", "miniddp.diagnostics.timeline"],
-    "costmodel.md": ["miniddp.engine.alpha_beta", "miniddp.engine.step_profile", "miniddp.engine.costmodel",
+    "costmodel.md": ["miniddp.costmodel.alpha_beta", "miniddp.costmodel.step_profile", "miniddp.costmodel.simulate",
                      "miniddp.diagnostics.trace"],
     "join.md": ["miniddp.engine.join"],
     "desync.md": ["miniddp.process_group.fingerprint", "miniddp.process_group.desync",
@@ -171,10 +171,10 @@ API_OF = {
                    "miniddp.training.output_dir", "miniddp.training.nonfinite", "miniddp.training.cli",
                    "miniddp.training.tasks", "miniddp.training.batches"],
     "your-script.md": ["miniddp.training.trainer", "miniddp.training.batches"],
-    "launching.md": ["miniddp.training.launch", "miniddp.training.torchrun_args", "miniddp.notebook",
-                     "miniddp.training.launch_checks", "miniddp.training.config_command",
-                     "miniddp.training.env_command"],
-    "testing.md": ["miniddp.testing"],
+    "launching.md": ["miniddp.launching.launch", "miniddp.launching.torchrun_args", "miniddp.launching.notebook",
+                     "miniddp.launching.launch_checks", "miniddp.launching.config_command",
+                     "miniddp.launching.env_command"],
+    "testing.md": ["miniddp.launching.spawn", "miniddp.testing"],
 }
 
 # ---------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 What
     The concept pages include the reference source (``--8<-- "miniddp/...py:section"``), and the
     reference holds each exercise's answer between ``### BEGIN SOLUTION`` and ``### END SOLUTION``
-    (``miniddp/exercise/skeleton.py`` blanks those blocks for ``miniddp exercise start``). After the
+    (``miniddp/teaching/exercise/skeleton.py`` blanks those blocks for ``miniddp exercise start``). After the
     snippets are expanded and before the code fences are read, every such block inside a fence is
     cut out of it and put, as a code block of its own, in a collapsed ``??? success`` box (Material's
     details) right where it was; the marker lines are dropped. The code around it stays as it was.

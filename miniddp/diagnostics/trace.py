@@ -10,7 +10,7 @@ What
 
 Why
     "Overlap" is a claim about time. What is not hidden behind the backward is what another
-    ``bucket_cap_mb`` can win back (``miniddp.engine.costmodel`` predicts it).
+    ``bucket_cap_mb`` can win back (``miniddp.costmodel.simulate`` predicts it).
 
 How torch differs
     ``torch.profiler`` records the same story kernel by kernel. torch's DDP keeps timestamps per

@@ -14,8 +14,8 @@ Why
 How torch differs
     torch's (``torch/nn/parallel/distributed.py`` + ``reducer.cpp``) also supports mixed-device
     modules, sparse gradients, optimizer overlap, and join() with a static graph. Ours takes
-    ``bucket_cap_mb="auto"`` (``auto_bucket.py``), raises a missing gradient at the end of the same backward, compares
-    buffers and ``requires_grad`` at wrap (torch: parameter shapes only), and never communicates
+    ``bucket_cap_mb="auto"`` (``costmodel/auto_bucket.py``), raises a missing gradient at the end of the same
+    backward, compares buffers and ``requires_grad`` at wrap (torch: parameter shapes only), and never communicates
     in a no-grad forward (torch broadcasts buffers there: a rank-0-only evaluation can hang).
 """
 
@@ -29,7 +29,6 @@ from ..process_group.clean_exit import group_or_default
 from ..process_group.fingerprint import issued_as
 from ..process_group.process_info import announce_process
 from . import ownership
-from .auto_bucket import AutoBucketCap
 from .bucketing import bucket_size_limits
 from .buffers import (
     broadcast_buffers,
@@ -41,6 +40,7 @@ from .buffers import (
 from .inputs import check_device_ids, move_to
 from .join import Join, Joinable, JoinHook, Round
 from .no_sync import ChangedInWindow, no_sync
+from .observers import bucket_cap_chooser
 from .reducer import Reducer
 from .static_graph import check_flags
 
@@ -66,7 +66,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self.broadcast_buffers = broadcast_buffers  # copy rank 0's buffers before every forward
         self.require_backward_grad_sync = True  # False inside no_sync()
         self._started = False  # a grad-enabled forward has run: too late for register_comm_hook
-        self.auto_cap = AutoBucketCap() if bucket_cap_mb == "auto" else None  # chooses the cap at the rebuild
+        self.auto_cap = bucket_cap_chooser(bucket_cap_mb)  # "auto": the cost model's observer chooses at the rebuild
         self.static_graph = static_graph  # learn the graph in the first backward, then rely on it (static_graph.py)
         check_flags(static_graph, find_unused_parameters)
         refuse_meta_tensors(module)  # shapes without data: nothing to broadcast or average

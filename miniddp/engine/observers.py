@@ -59,3 +59,24 @@ class Observers(ReducerObserver):
     def backward_ended(self) -> None:
         for o in self.observers:
             o.backward_ended()
+
+
+# ``bucket_cap_mb="auto"``: the cost model (a layer above, ``costmodel/auto_bucket.py``) provides the observer
+# that chooses the cap, registering itself when it is imported (``import miniddp`` does); the engine never
+# imports it, as it never imports the tracer.
+_BUCKET_CAP_CHOOSERS: dict = {}
+
+
+def provide_bucket_cap_chooser(name: str, factory) -> None:
+    """``factory()`` builds the observer DDP attaches for ``bucket_cap_mb=name``; it has ``choose(params, group)``."""
+    _BUCKET_CAP_CHOOSERS[name] = factory
+
+
+def bucket_cap_chooser(bucket_cap_mb):
+    """The chooser for a named cap (``"auto"``), or None for a number (or None: torch's default)."""
+    if not isinstance(bucket_cap_mb, str):
+        return None
+    if bucket_cap_mb not in _BUCKET_CAP_CHOOSERS:
+        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r}: no chooser of that name is loaded "
+                         f"(known: {sorted(_BUCKET_CAP_CHOOSERS)}); import miniddp, which loads 'auto'")
+    return _BUCKET_CAP_CHOOSERS[bucket_cap_mb]()

@@ -9,7 +9,7 @@ What
 Why
     A notebook cannot be relaunched under ``torchrun``; forking from the kernel
     keeps the cell's functions and data, with the test harness's timeouts and
-    clean teardown (``miniddp.testing.run_on_ranks``).
+    clean teardown (``miniddp.launching.spawn.run_on_ranks``).
 
 How Accelerate differs
     ``accelerate.notebook_launcher`` forks too, and also drives TPUs and several
@@ -18,7 +18,7 @@ How Accelerate differs
 
 from __future__ import annotations
 
-from .testing import run_on_ranks
+from .spawn import run_on_ranks
 
 
 def notebook_launcher(function, args=(), num_processes: int = 2, timeout: float = 600.0) -> list:

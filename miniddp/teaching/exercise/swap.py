@@ -180,7 +180,7 @@ def apply_from_env() -> None:
 
 def run_rank_as(value: str, *args):
     """A harness rank under implementation ``value``: its forkserver may have imported another one."""
-    from ..rank_process import run_rank
+    from ...launching.rank_process import run_rank
 
     use(value)
     return run_rank(*args)

@@ -1,7 +1,7 @@
 """DDP by hand, on any number of processes: the project's first runnable job.
 
-    torchrun --standalone --nproc-per-node 2 -m miniddp.demo      # 2 ranks on this machine
-    python -m miniddp.demo                                        # 1 process, same result
+    torchrun --standalone --nproc-per-node 2 -m miniddp.teaching.demo      # 2 ranks on this machine
+    python -m miniddp.teaching.demo                                        # 1 process, same result
 
 Each rank joins the job (``init_distributed``: backend, device, ``ddp_timeout``),
 reads its own shard of a synthetic regression task (``ShardSampler``), and after

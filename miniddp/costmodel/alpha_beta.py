@@ -4,7 +4,7 @@ What
     ``measure_all_reduce`` times ``dist.all_reduce`` of a few sizes on the live group (after a
     barrier, the slowest rank's median); ``fit_alpha_beta`` fits the α–β (Hockney) model
     ``seconds = α + β·bytes`` to those timings. ``measure_overlap_cost`` measures the one other
-    number the simulation (``miniddp.engine.costmodel``) needs from the machine: how much of an
+    number the simulation (``miniddp.costmodel.simulate``) needs from the machine: how much of an
     all-reduce's time it takes from compute running beside it.
 
 Why

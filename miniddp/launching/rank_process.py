@@ -1,7 +1,7 @@
 """One rank's process in the test harness: its body, and how it ends with everything it started.
 
 What
-    ``run_rank`` is the body of each process ``miniddp.testing.run_on_ranks`` starts: it sets
+    ``run_rank`` is the body of each process ``miniddp.launching.spawn.run_on_ranks`` starts: it sets
     torchrun's environment variables, joins the process group, calls the function under test
     and sends back its result or its traceback. ``watch_lifeline`` makes the rank lead its own
     process group and kill it when the parent is gone; ``kill_group`` is how the parent ends a
@@ -41,7 +41,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from .process_group.clean_exit import destroy_process_group
+from ..process_group.clean_exit import destroy_process_group
 
 STACK_SIGNAL = signal.SIGUSR1  # the parent's "where are you?" to a rank it is about to kill
 
@@ -123,7 +123,7 @@ def _main_thread(text: str) -> str:
 # the longest first: site-packages may lie inside a virtual environment's lib folder
 _LIBRARIES = tuple(sorted({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")},
                           key=len, reverse=True))
-_HARNESS = (__file__, __file__.replace("rank_process.py", "testing.py"))
+_HARNESS = (__file__, __file__.replace("rank_process.py", "spawn.py"))
 
 
 def where(rank: int, stack: str, user_frames: int = 2) -> str:

@@ -1,9 +1,9 @@
-"""Run a function on N ranks: the harness behind every test and notebook.
+"""Run a function on N ranks on this machine: what every test, notebook and ``notebook_launcher`` stands on.
 
 What
     ``run_on_ranks(fn, world_size, args=(...), kwargs={...})`` starts ``world_size`` processes,
     joins them into one process group, calls ``fn(rank, world_size, *args, **kwargs)`` in each
-    (``miniddp.rank_process.run_rank``) and returns their return values in rank order. A rank
+    (``rank_process.run_rank``) and returns their return values in rank order. A rank
     that raises makes the parent raise ``RankError`` (its rank, its traceback, and as
     ``__cause__`` the original exception, and what became of the others: raised, exited, killed,
     or returned normally before it failed); a rank that hangs is killed at ``timeout`` and the
@@ -38,7 +38,6 @@ import tempfile
 import time
 from multiprocessing.connection import wait
 
-import torch
 import torch.distributed as dist
 
 from .rank_process import kill_group, read_stacks, run_rank, where
@@ -90,23 +89,6 @@ def set_call_deadline(deadline: float | None) -> None:
     timeout would stop the test without them."""
     global _deadline
     _deadline = deadline
-
-
-def nccl_available(world_size: int) -> bool:
-    """True when NCCL can run ``world_size`` ranks here (one GPU per rank)."""
-    return dist.is_nccl_available() and torch.cuda.device_count() >= world_size
-
-
-def backend_params(world_size: int):
-    """pytest parameters: gloo always, nccl when there is a GPU per rank (else skipped)."""
-    import pytest  # only the test suite needs pytest
-
-    reason = f"nccl needs {world_size} CUDA device(s); torch.cuda.device_count()={torch.cuda.device_count()}"
-    return [
-        pytest.param("gloo", id="gloo"),
-        pytest.param("nccl", id="nccl",
-                     marks=[pytest.mark.nccl, pytest.mark.skipif(not nccl_available(world_size), reason=reason)]),
-    ]
 
 
 def _context(start_method: str):

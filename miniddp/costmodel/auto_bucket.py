@@ -29,10 +29,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..engine.observers import ReducerObserver, provide_bucket_cap_chooser
 from ..process_group.fingerprint import issued_as
 from .alpha_beta import AlphaBeta, fit_alpha_beta, measure_all_reduce, measure_cpu_share
-from .costmodel import best_bucket_cap_mb
-from .observers import ReducerObserver
+from .simulate import best_bucket_cap_mb
 from .step_profile import StepProfile
 
 CANDIDATE_CAPS = (0.25, 0.5, 1, 2, 4, 8, 16, 25, 50, 100)  # MiB
@@ -146,3 +146,6 @@ class AutoBucketCap(ReducerObserver):
         self.choice, self.ready_s = choice, {}
         return choice.cap_mb
     # --8<-- [end:collective]
+
+
+provide_bucket_cap_chooser("auto", AutoBucketCap)  # the engine builds one for bucket_cap_mb="auto"

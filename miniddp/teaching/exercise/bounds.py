@@ -210,4 +210,5 @@ def pytest_command(tests) -> list[str]:
     """The session's command line: the plugin, every assertion shown whole and without colour codes, no capture
     (output streams to the watcher, never to a growing file), pytest-timeout off (the plugin times each case)."""
     return [sys.executable, "-m", "pytest", "-q", "-n", "0", "-s", "--color=no", "-p", "no:cacheprovider",
-            "--timeout=0", "-o", "verbosity_assertions=2", "-p", "miniddp.exercise.report", "-W", "ignore", *tests]
+            "--timeout=0", "-o", "verbosity_assertions=2", "-p", "miniddp.teaching.exercise.report", "-W", "ignore",
+            *tests]

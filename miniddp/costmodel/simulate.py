@@ -30,8 +30,8 @@ import dataclasses
 
 import torch
 
+from ..engine.bucketing import bucket_size_limits, compute_bucket_assignment
 from .alpha_beta import AlphaBeta
-from .bucketing import bucket_size_limits, compute_bucket_assignment
 from .step_profile import StepProfile
 
 

@@ -54,7 +54,7 @@ def explain(exc: BaseException) -> list[str]:
     while isinstance(exc, _GROUP) and exc.exceptions:  # several failures (Hypothesis can find more): the first
         exc = exc.exceptions[0]
         notes = [*getattr(exc, "__notes__", []), *notes]
-    from miniddp.testing import RankError, RankTimeout
+    from miniddp.launching.spawn import RankError, RankTimeout
 
     text = str(exc)
     if isinstance(exc, RankTimeout):

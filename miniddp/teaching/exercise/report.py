@@ -1,6 +1,6 @@
 """A pytest plugin for ``miniddp exercise check``: several implementations in one bounded session.
 
-``pytest -p miniddp.exercise.report`` with ``MINIDDP_EXERCISE_BATCH=<file>`` reads
+``pytest -p miniddp.teaching.exercise.report`` with ``MINIDDP_EXERCISE_BATCH=<file>`` reads
 ``[{"use": "<name>=<file>", "tests": [node ids], "timeout": seconds}, ...]``. It first imports each
 learner's file (checking its names), each within its timeout; then each test named there runs once
 per implementation that names it and imported, with that implementation in force (``swap.use``) in
@@ -60,7 +60,7 @@ def _alarm(signum, frame):
 
 
 def _arm(timeout: float | None) -> None:
-    import miniddp.testing as harness
+    from ...launching import spawn as harness
 
     _case["deadline"] = None if timeout is None else time.monotonic() + timeout
     harness.set_call_deadline(_case["deadline"])
@@ -136,7 +136,7 @@ def _exercise_implementation(request):
     if index is None:
         yield
         return
-    import miniddp.testing as harness
+    from ...launching import spawn as harness
 
     base = request.node.nodeid.split("[", 1)[0]
     if index in _hung:
@@ -207,7 +207,7 @@ def pytest_runtest_makereport(item, call):
 
 def _failure(item, call, report, index: int) -> dict:
     """A failed case's reason (its case first), and whether a timeout stopped it, with the limit."""
-    from miniddp.testing import RankTimeout
+    from miniddp.launching.spawn import RankTimeout
 
     exc, timeout = (call.excinfo.value if call.excinfo else None), _batch[index]["timeout"]
     case = _case_id(item, index)

@@ -1,0 +1,9 @@
+"""Sharded data parallelism (ZeRO): the room between the engine and training.
+
+Data parallelism keeps a whole copy of the model, its gradients and its optimizer state on every
+rank. ZeRO (Rajbhandari et al., arXiv 1910.02054) shards them across ranks instead: stage 1 the
+optimizer state (torch's ``torch/distributed/optim/zero_redundancy_optimizer.py``), stage 2 the
+gradients too, reduce-scattered bucket by bucket through the engine's collective seam
+(``engine/bucket_collective.py``) instead of all-reduced. This layer may import the engine and
+everything below it; training imports it. It is empty until stage 1 lands.
+"""

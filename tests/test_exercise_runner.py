@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from miniddp.comm_hooks.grad_bucket import hook_result
-from miniddp.teaching.exercise import cli
+from miniddp.teaching.exercise import exercise_command
 from miniddp.teaching.exercise.catalog import EXERCISES
 from miniddp.teaching.exercise.exercise_command import main, run_checks
 
@@ -141,7 +141,7 @@ def _marking(marks, then, *required):
 def test_module_level_code_runs_only_in_the_bounded_session_and_list_goes_on(tmp_path, monkeypatch, capsys):
     marks, folder = tmp_path / "marks", tmp_path / "mine"
     marks.mkdir()
-    monkeypatch.setattr(cli, "CHECK_TIMEOUT_S", 5)
+    monkeypatch.setattr(exercise_command, "CHECK_TIMEOUT_S", 5)
     _write(folder, "sharding", _marking(marks, "sys.exit(0)", "ShardSampler"))
     _write(folder, "bucketing", _marking(marks, "while True:\n    pass", "compute_bucket_assignment"))
     _write(folder, "join", _marking(marks, "os._exit(0)", "Join", "exchange_round"))

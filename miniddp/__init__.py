@@ -29,6 +29,7 @@ from .training.output_dir import OutputDirError
 from .training.nonfinite import NonFiniteLossError
 from .training.resume import SetupChangedError
 from .training.trainer import Trainer
+from .training.trainer_state import TrainerState
 
 __version__ = "0.1.0"
 
@@ -47,6 +48,7 @@ __all__ = [
     "StalledRankError",
     "StaticGraphChangedError",
     "Trainer",
+    "TrainerState",
     "TrainingConfig",
     "WrappedAgainError",
     "accumulation_windows",

@@ -46,7 +46,7 @@ class _Interrupted(Trainer):
 
     def _after_step(self, progress):
         super()._after_step(progress)
-        if self.state["global_step"] == self.kill_after:
+        if self.state.global_step == self.kill_after:
             raise _Killed
 
 

@@ -8,8 +8,10 @@ What
     ``seed + rank``, and trains. This file is the loop: accumulation windows with ``no_sync`` on
     every micro-batch but the last, clipping after the sync, one optimizer and LR-schedule step
     per window, a stop at the first non-finite loss (``nonfinite.py``). Batches become losses in
-    ``batches.py`` (the loop knows no task); logging, evaluation and the results are
-    ``reporting.py``'s, checkpoints and the exact resume ``trainer_checkpoint.py``'s.
+    ``batches.py`` (the loop knows no task). Where the run is lives in one ``TrainerState``
+    (``trainer.state``, ``trainer_state.py``); the loop hands it to two collaborators built with
+    what they need: a ``ProgressReporter`` logs, evaluates and writes the results (``reporting.py``),
+    a ``Checkpointer`` saves checkpoints and resumes exactly (``trainer_checkpoint.py``).
 
 Why
     The pieces are only understood once they run together. This loop is also the oracle for
@@ -23,7 +25,8 @@ How Hugging Face differs
     ``set_seed(seed, device_specific=True)`` adds the process index, as we do. A model's own
     loss (a micro-batch mean) is divided by the window's *real* length, so a short last window
     is still an average (Hugging Face divides by ``gradient_accumulation_steps``). Tuple batches
-    are ours.
+    are ours. Its checkpointing and logging are methods of the ``Trainer`` itself, extended through
+    callbacks that receive the ``TrainerState``.
 """
 
 from __future__ import annotations
@@ -39,18 +42,18 @@ from ..engine.ddp import move_to
 from ..engine.ddp_optimizer import DDPOptimizer
 from ..process_group.env import init_distributed
 from ..process_group.stalled_ranks import naming_stalled_ranks
-from .batches import compute_loss, count_items, counts_items
+from .batches import compute_loss, count_items, counts_items, evaluate
 from .config import TrainingConfig
 from .epoch import plan_epoch
 from .nonfinite import grad_norm, stop_if_not_finite
 from .prepare import prepare_dataloader, prepare_mixed_precision, prepare_model, prepare_optimizer
-from .report_to import Reporter
-from .reporting import TrainerReporting
+from .reporting import ProgressReporter
 from .resume import epoch_batches, seed_per_rank, setup_of
-from .trainer_checkpoint import TrainerCheckpointing
+from .trainer_checkpoint import Checkpointer
+from .trainer_state import TrainerState
 
 
-class Trainer(TrainerReporting, TrainerCheckpointing):
+class Trainer:
     """Data-parallel training with ``transformers.Trainer``'s keywords; see the module docstring."""
 
     def __init__(self, *, model, args: TrainingConfig | None = None, train_dataset, eval_dataset=None,
@@ -80,14 +83,18 @@ class Trainer(TrainerReporting, TrainerCheckpointing):
         self.max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * per_epoch)
         self.optimizer, self.scheduler = prepare_optimizer(self.model, args, self.max_steps)
         self.autocast, self.scaler = prepare_mixed_precision(args.mixed_precision, self.device)
-        # where we are, saved in checkpoints; loss_sum: the loss of every step so far, averaged over ranks
-        self.state = {"global_step": 0, "epoch": 0, "window": 0, "loss_sum": 0.0, "logged_step": 0,
-                      "logged_loss": 0.0, "skipped_steps": 0}  # skipped: fp16 steps the GradScaler skipped
+        self.state = TrainerState()  # where the run is: saved whole in each checkpoint, restored whole
         self.pending_loss = torch.zeros((), dtype=torch.float64, device=self.device)  # this rank's, not yet in state
-        self.log_history: list[dict] = []
-        self.setup = setup_of(args, self.world_size, len(train_dataset), self.model)  # a resume must match it
+        setup = setup_of(args, self.world_size, len(train_dataset), self.model)  # a resume must match it
+        self.checkpointer = Checkpointer(args=args, rank=self.rank, model=self.model, ddp=self.ddp,
+                                         optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
+                                         comm_hook=self.comm_hook, setup=setup, windows_per_epoch=per_epoch,
+                                         max_steps=self.max_steps)
+        self.reports = ProgressReporter(args=args, rank=self.rank, world_size=self.world_size,
+                                        backend=self.env.backend, model=self.model, scheduler=self.scheduler,
+                                        fp16=self.scaler is not None, samples_per_step=self.plan.samples_per_step,
+                                        max_steps=self.max_steps, evaluate=self.evaluate)
         self.lock = None  # rank 0's lock on output_dir while train() runs
-        self.reporter = Reporter(args.report_to, args.output_dir, self.rank)  # report_to: where logs also go
 
     # --8<-- [start:window]
     def _window_step(self, micro_batches) -> torch.Tensor:
@@ -113,13 +120,13 @@ class Trainer(TrainerReporting, TrainerCheckpointing):
         else:
             norm = grad_norm(self.model.parameters())
         stop_if_not_finite(total, None if self.scaler else norm,  # fp16: the scaler skips inf gradients
-                           step=self.state["global_step"] + 1, output_dir=self.args.output_dir,
+                           step=self.state.global_step + 1, output_dir=self.args.output_dir,
                            learning_rate=self.args.learning_rate)
         if self.scaler:
             scale = self.scaler.get_scale()
             self.scaler.step(self.optimizer)
             self.scaler.update()
-            self.state["skipped_steps"] += self.scaler.get_scale() < scale  # it skipped the step and backed off
+            self.state.skipped_steps += self.scaler.get_scale() < scale  # it skipped the step and backed off
         else:
             self.optimizer.step()
         self.scheduler.step()
@@ -131,7 +138,7 @@ class Trainer(TrainerReporting, TrainerCheckpointing):
         if not counts_items(self.model, self.compute_loss_func):
             return None  # a per-batch mean (a model without **kwargs, or fn(outputs, labels)): divided by the window
         count = sum(count_items(b) for b in micro_batches).to(self.device)  # counted where the labels are
-        with naming_stalled_ranks(f"item count of step {self.state['global_step'] + 1}"):
+        with naming_stalled_ranks(f"item count of step {self.state.global_step + 1}"):
             dist.all_reduce(count)
         return count
     # --8<-- [end:window]
@@ -139,43 +146,50 @@ class Trainer(TrainerReporting, TrainerCheckpointing):
     def train(self, resume_from_checkpoint: str | None = None) -> dict:
         """Train for max_steps (or num_train_epochs), resuming first if asked (here or in args)."""
         where = resume_from_checkpoint or self.args.resume_from_checkpoint
-        self._claim_output_dir(where)
+        self.lock = self.reports.claim_output_dir(where)
         try:
-            if where:
-                self._resume(where)
+            resumed = self.checkpointer.resume(where, self.pending_loss) if where else None
+            if resumed is not None:  # the saved state, whole; None: 'latest' found no checkpoint
+                self.state = resumed
             self._loop()
-            return self._finish()
+            return self.reports.finish(self.state)
         finally:
-            self.reporter.close()
+            self.reports.close()
             if self.lock is not None:
                 self.lock.release()
                 self.lock = None
 
+    def evaluate(self) -> dict:
+        """``eval_loss`` and ``compute_metrics``' results (prefixed ``eval_``) over all of eval_dataset."""
+        return evaluate(self.model, self.eval_dataset, device=self.device,
+                        batch_size=self.args.per_device_eval_batch_size, collate_fn=self.data_collator,
+                        compute_loss_func=self.compute_loss_func, compute_metrics=self.compute_metrics)
+
     def _loop(self) -> None:
-        progress = self._progress_bar()
-        while self.state["global_step"] < self.max_steps:
-            epoch = self.state["epoch"]
-            self.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-            self.loader.generator.manual_seed(hash((self.args.seed, self.rank, epoch)))  # workers' base seed
-            batches = epoch_batches(self.loader, skip=sum(self.windows[: self.state["window"]]))  # resume: skip
-            for length in self.windows[self.state["window"]:]:
+        state = self.state
+        progress = self.reports.progress_bar(state)
+        while state.global_step < self.max_steps:
+            self.sampler.set_epoch(state.epoch)  # a new shuffle each epoch, the same on every rank
+            self.loader.generator.manual_seed(hash((self.args.seed, self.rank, state.epoch)))  # workers' base seed
+            batches = epoch_batches(self.loader, skip=sum(self.windows[: state.window]))  # resume: skip
+            for length in self.windows[state.window:]:
                 self.pending_loss += self._window_step([next(batches) for _ in range(length)])
-                self.state["window"] += 1
-                self.state["global_step"] += 1
+                state.window += 1
+                state.global_step += 1
                 self._after_step(progress)
-                if self.state["global_step"] >= self.max_steps:
+                if state.global_step >= self.max_steps:
                     break
             else:
-                self.state["epoch"] += 1
-                self.state["window"] = 0
+                state.epoch += 1
+                state.window = 0
         if progress is not None:
             progress.close()
 
     def _after_step(self, progress) -> None:
-        step = self.state["global_step"]
+        step = self.state.global_step
         if step % self.args.logging_steps == 0 or step == self.max_steps:
-            self._log(progress)  # reporting.py
+            self.reports.log(self.state, self.pending_loss, progress)
         if progress is not None:
             progress.update(1)
         if self.args.save_steps and step % self.args.save_steps == 0:
-            self.save(step)  # trainer_checkpoint.py
+            self.checkpointer.save(self.state, self.pending_loss)

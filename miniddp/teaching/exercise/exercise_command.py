@@ -16,7 +16,7 @@ from .catalog import EXERCISES, exercise
 from .skeleton import make_skeleton
 from .swap import ENV, LearnerFileError, defined_names, missing, read_source
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository: the spec is its tests/
+ROOT = Path(__file__).resolve().parents[3]  # the repository: the spec is its tests/
 DEFAULT_DIR = "my_miniddp"
 CHECK_TIMEOUT_S = 120  # per test case: a ring that never receives is stopped, and named with each rank's stack
 

@@ -24,7 +24,7 @@ import types
 from pathlib import Path
 
 ENV = "MINIDDP_EXERCISE"
-_TESTS = str(Path(__file__).resolve().parents[2] / "tests") + os.sep  # the spec's own modules hold names too
+_TESTS = str(Path(__file__).resolve().parents[3] / "tests") + os.sep  # the spec's own modules hold names too
 _loaded: dict[str, types.ModuleType] = {}  # "<name>=<file>" -> the learner's module, loaded once per process
 _current: tuple[str, list] = ("", [])  # the implementation in force, and its (reference, learner's) pairs
 

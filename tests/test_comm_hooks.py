@@ -392,9 +392,9 @@ def _pending_at_each_call(rank, world_size, registered):
     reducer, seen = ddp.reducer, []
     may_launch = 1 if registered else len(reducer.buckets)  # before any bucket can complete
 
-    def recording(state, bucket):
+    def recording(state, bucket, issue=comm_hooks.allreduce_hook):
         seen.append(sum(not f.done() for f in reducer.backward.futures))
-        future = comm_hooks.allreduce_hook(state, bucket)
+        future = issue(state, bucket)
         if rank == 0 and len(seen) == may_launch:
             store.set("test: rank 0 launched", "1")
         return future
@@ -404,8 +404,10 @@ def _pending_at_each_call(rank, world_size, registered):
         ddp.register_comm_hook(dist.group.WORLD, comm_hooks.call_order.issues_collectives_in_call(recording))
     elif registered:  # a hook the reducer cannot vouch for: one bucket at a time
         ddp.register_comm_hook(dist.group.WORLD, recording)
-    else:  # the default path's hook, seen through a wrapper that keeps the default's ordering rule
-        reducer.hook = recording
+    else:  # the default path itself, each bucket's collective seen as it is issued
+        issue = reducer.collective.issue
+        reducer.collective.issue = lambda bucket, flat, is_last, group: recording(
+            None, None, issue=lambda *_: issue(bucket, flat, is_last, group))
     out = ddp(torch.randn(4, 64))
     if rank == 1:
         out.register_hook(lambda g: store.wait(["test: rank 0 launched"], timedelta(seconds=60)) or g)

@@ -147,13 +147,13 @@ MISTAKES = {
          "self.observers.grad_ready(i, self.names[i])\n        if state.pending[b] == 0:\n"
          "            self._communicate(state, bucket)\n",
          [B + "test_buckets_launch_in_order_on_every_rank"]),
-        ("the default path forgets to divide by N", "bucket.put(k, grad, state.divisor if self.hook is None else 1)",
+        ("the default path forgets to divide by N", "bucket.put(k, grad, state.collective.divisor)",
          "bucket.put(k, grad, 1)", [D + "test_matches_torch_ddp_at_several_world_sizes"]),
-        ("divides by N on the comm-hook path too: the hook divides a second time",
-         "bucket.put(k, grad, state.divisor if self.hook is None else 1)", "bucket.put(k, grad, state.divisor)",
+        ("divides by N whatever the collective: a comm hook divides a second time",
+         "bucket.put(k, grad, state.collective.divisor)", "bucket.put(k, grad, self.world_size)",
          [H + "test_a_registered_hook_trains_as_torch_ddp_with_the_same_hook"]),
-        ("the averaged buckets never written back into .grad",
-         "                bucket.write_back(result, counts, self.as_view)  # the one place that sets .grad",
+        ("the averaged buckets never land in .grad",
+         "                state.collective.land(bucket, result, counts, self.as_view)  # the one place that sets .grad",
          "                pass", [D + "test_equals_one_process_on_the_global_batch"]),
     ],
     "unused": [

@@ -11,6 +11,7 @@ from torch.utils.data import Dataset
 
 from miniddp import Trainer, TrainingConfig
 from miniddp.engine.ddp import move_to
+from miniddp.engine.static_graph import StaticGraph
 from miniddp.launching.spawn import RankError, run_on_ranks
 
 VOCAB, LENGTH, CLASSES = 12, 10, 5
@@ -178,9 +179,9 @@ def _ddp_settings(rank, world_size, out, overrides):
                       compute_loss_func=token_loss)
     world = dist.group.WORLD._get_backend(torch.device("cpu"))  # the process group init_distributed made
     return {"backend": (trainer.env.backend, dist.get_backend()), "timeout": world.options._timeout.total_seconds(),
-            "buckets": len(trainer.ddp.bucket_assignment), "find_unused": trainer.ddp.reducer.find_unused,
+            "buckets": len(trainer.ddp.bucket_assignment), "find_unused": trainer.ddp.find_unused_parameters,
             "broadcast_buffers": trainer.ddp.broadcast_buffers, "device": str(trainer.env.device),
-            "static_graph": trainer.ddp.reducer.static is not None}
+            "static_graph": isinstance(trainer.ddp.reducer.readiness, StaticGraph)}
 
 
 def test_every_ddp_flag_reaches_ddp_and_the_process_group(tmp_path):

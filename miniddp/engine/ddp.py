@@ -5,7 +5,7 @@ What
     bucket_cap_mb, broadcast_buffers, find_unused_parameters, gradient_as_bucket_view, static_graph``). Wrapping
     checks that every rank built the same model and copies rank 0's state (``buffers.py``); each
     grad-enabled forward re-broadcasts buffers and arms the reducer (``reducer.py``), unless it ran
-    in ``no_sync()``; inside ``join()`` ranks out of data shadow the others (``DDPJoinHook``).
+    in ``no_sync()``; inside ``join()`` ranks out of data shadow the others (``ddp_join.DDPJoinHook``).
 
 Why
     Each piece alone is a page of this site; this file is where they meet, and where one
@@ -26,7 +26,6 @@ import torch.distributed as dist
 
 from ..comm_hooks.grad_bucket import check_registration
 from ..process_group.clean_exit import group_or_default
-from ..process_group.fingerprint import issued_as
 from ..process_group.process_info import announce_process
 from . import ownership
 from .bucketing import bucket_size_limits
@@ -37,8 +36,9 @@ from .buffers import (
     sync_module_states,
     verify_same_model,
 )
+from .ddp_join import DDPJoinHook
 from .inputs import check_device_ids, move_to
-from .join import Join, Joinable, JoinHook, Round
+from .join import Join, Joinable
 from .no_sync import ChangedInWindow, no_sync
 from .observers import bucket_cap_chooser
 from .reducer import Reducer
@@ -68,6 +68,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self._started = False  # a grad-enabled forward has run: too late for register_comm_hook
         self.auto_cap = bucket_cap_chooser(bucket_cap_mb)  # "auto": the cost model's observer chooses at the rebuild
         self.static_graph = static_graph  # learn the graph in the first backward, then rely on it (static_graph.py)
+        self.find_unused_parameters = find_unused_parameters  # walk the graph after each forward (torch's name)
         check_flags(static_graph, find_unused_parameters)
         refuse_meta_tensors(module)  # shapes without data: nothing to broadcast or average
         limits = bucket_size_limits(bucket_cap_mb)  # "auto": torch's defaults until the rebuild chooses
@@ -119,17 +120,17 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             raise WrappedAgainError(ownership.WRAPPED_AGAIN)
         self._wrapped.check(self.module)  # the parameters it wrapped, as it wrapped them (ownership.py)
         self._started = True
-        divisor = expected = None  # the world size, unless some ranks have joined
+        collective = expected = None  # the reducer's own, over the whole group, unless some ranks have joined
         if self.join_context is not None:  # uneven inputs: tell the joined ranks what this iteration does
             plan = self.join_context.notify(self.require_backward_grad_sync, self.reducer.rebuild_due)
             self.sync_before_forward(rebuild=plan.rebuild, source=plan.source)
-            divisor, expected = self.join_context.hook_of(self).divisor(plan), len(plan.active)
+            collective, expected = self.join_context.hook_of(self).active_collective(plan), len(plan.active)
         else:
             self.sync_before_forward(rebuild=self.reducer.rebuild_due, source=0)
         (self._window.synced_forward if self.require_backward_grad_sync else self._window.local_forward)()
         outputs = self.module(*args, **kwargs)
         if self.require_backward_grad_sync:
-            self.reducer.prepare_for_backward(outputs, divisor, expected)  # arm the hooks for this graph
+            self.reducer.prepare_for_backward(outputs, collective, expected)  # arm the hooks for this graph
         else:
             self.reducer.accumulated.local_forward = True  # its backward stays local, on purpose
         return outputs  # a no_sync forward leaves an earlier synced forward armed: its backward syncs (torch too)
@@ -167,7 +168,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         """torch's contract: ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]`` is called with each
         ready bucket (a ``comm_hooks.GradBucket``, undivided) and returns a future of the averaged
         ``bucket.buffer()``, which is written back to ``.grad``. Once per model, before the first forward."""
-        check_registration(state, hook, registered=self.reducer.hook is not None, started=self._started)
+        check_registration(state, hook, registered=self.reducer.collective.registered() is not None,
+                           started=self._started)
         self.reducer.set_comm_hook(state, hook)
     # --8<-- [end:register_comm_hook]
 
@@ -225,26 +227,3 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         if state["rebuilt"] and not r.rebuilt:
             self.rebuild_buckets()  # from the saved arrival order: the layout the interrupted run had (a broadcast)
         r.rebuild_due = state["rebuild_due"] and not r.rebuilt
-
-
-# --8<-- [start:join_hook]
-class DDPJoinHook(JoinHook):
-    """What a joined rank shadows of one DDP iteration (torch: ``_DDPJoinHook``), and the divisor of the
-    active ranks' mean: the world size (joined ranks count as zeros), or only the ranks still active."""
-
-    def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool = True):
-        self.ddp = ddp
-        self.divide_by_initial_world_size = divide_by_initial_world_size
-
-    def divisor(self, plan: Round) -> int:
-        return dist.get_world_size(self.ddp.process_group) if self.divide_by_initial_world_size else len(plan.active)
-
-    @issued_as("join's zeros for each bucket")
-    def main_hook(self, plan: Round) -> None:
-        self.ddp.sync_before_forward(rebuild=plan.rebuild, source=plan.source)  # rebuild + buffer broadcast
-        if plan.will_sync:
-            self.ddp.reducer.shadow_backward()  # the active ranks' bucket collectives, on zeros
-
-    def post_hook(self, source: int) -> None:
-        self.ddp.sync_module_states(source)
-# --8<-- [end:join_hook]

@@ -29,6 +29,9 @@ from __future__ import annotations
 
 import warnings
 
+from .readiness import Readiness
+from .unused import unused_contribution
+
 
 class StaticGraphChangedError(RuntimeError):
     """A backward after the first produced other gradients, or as many more times, than the first did."""
@@ -45,8 +48,8 @@ def check_flags(static_graph: bool, find_unused_parameters: bool) -> None:
                       "find_unused_parameters=True adds nothing (no graph walk is done)", stacklevel=3)
 
 
-class StaticGraph:
-    """One reducer's knowledge of the graph: learned in the first synced backward, then fixed."""
+class StaticGraph(Readiness):
+    """One reducer's knowledge of the graph: learned in the first synced backward, then fixed (a ``Readiness``)."""
 
     def __init__(self, names: list[str], rank: int, world_size: int):
         self.names = names
@@ -65,10 +68,14 @@ class StaticGraph:
         (torch: the same; in the first, hooks only count)."""
         return self.ended > 1
 
+    def contribution(self, grad, accumulated: bool):
+        """A parameter the graph does not reach keeps its ``.grad``, as with ``find_unused_parameters``."""
+        return unused_contribution(grad, True, accumulated)
+
     # --8<-- [start:fire]
-    def begin(self) -> list[int]:
+    def begin(self, outputs=None) -> list[int]:
         """At a synced forward: reset the firings; the parameters to mark unused when backward starts ([] while
-        learning, then those the first backward never fired, ascending)."""
+        learning, then those the first backward never fired, ascending). No graph walk: ``outputs`` is unused."""
         ### BEGIN SOLUTION
         self.fired = [0] * len(self.names)
         return [] if self.learning else [i for i, n in enumerate(self.expected) if n == 0]
@@ -96,21 +103,20 @@ class StaticGraph:
         counts.local += changed + [int(any(changed) and r == self.rank) for r in range(self.world_size)]
         ### END SOLUTION
 
-    def end(self, counts: list[int]) -> bool:
+    def end(self, counts: list[int], expected: int = 0, local=()) -> None:
         """After the all-reduce of the counts ``before_finish`` extended: for n parameters, ``counts[:n]`` the used
         counts, ``counts[n:2n]`` per parameter the ranks whose firings changed, ``counts[2n:]`` per rank 1 if its
         did. Adds 1 to ``ended`` each time; learns ``expected`` (the firings) from the first backward; after it,
         raises ``self.changed(params, ranks)`` (parameters changed on some rank, ranks that changed, ascending) on
-        every rank if any changed. Returns False (nothing was warned)."""
+        every rank if any changed. (``expected`` and ``local``, the strict check's, are not needed here.)"""
         ### BEGIN SOLUTION
         n, self.ended = len(self.names), self.ended + 1
         if self.learning:
             self.expected = list(self.fired)
-            return False
+            return
         ranks = [r for r, f in enumerate(counts[2 * n:]) if f]
         if ranks:
             raise self.changed([i for i in range(n) if counts[n + i]], ranks)
-        return False
         ### END SOLUTION
 
     def changed(self, params: list[int], ranks: list[int]) -> StaticGraphChangedError:

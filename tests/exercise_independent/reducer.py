@@ -10,7 +10,6 @@ in, SUM, write back) and the order rules (bucket order, ``call_order``) are the 
 The rest of the class is the skeleton's as ``miniddp exercise start reducer`` writes it today.
 """
 
-
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -18,31 +17,36 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..comm_hooks.byte_count import all_reduce
-from ..comm_hooks.call_order import CallOrder
-from ..comm_hooks.grad_bucket import checked_future, hook_result
 from ..process_group.clean_exit import group_or_default
 from ..process_group.fingerprint import issued_as
 from . import stalls
 from .autograd_hooks import hook_once, on_backward_start
+from .bucket_collective import BucketCollective, collective_for
 from .bucketing import build_buckets, check_dense, compute_bucket_assignment, rebuilt_assignment
 from .no_sync import Accumulated
 from .observers import Observers
+from .readiness import FindUnused, Readiness, Strict
 from .static_graph import StaticGraph
-from .unused import UsedCounts, check_counts, gradient_twice_message, unused_contribution, unused_parameters
+from .unused import UsedCounts, gradient_twice_message
+
+
+def readiness_for(reducer, find_unused_parameters: bool, static_graph: bool) -> Readiness:
+    """The readiness policy DDP's flags choose, once (``static_graph`` wins: it finds unused parameters itself)."""
+    if static_graph:
+        return StaticGraph(reducer.names, dist.get_rank(reducer.group), reducer.world_size)
+    return (FindUnused if find_unused_parameters else Strict)(reducer.params, reducer.names)
 
 
 @dataclass
 class Backward:  # everything one synced backward knows; prepare_for_backward makes a fresh one
-    divisor: int  # the N of mean = sum / N on the default path (join: maybe the active ranks only)
-    expected: int  # ranks that must produce each gradient (join: the active ones)
+    collective: BucketCollective  # each complete bucket's (the reducer's; join: its active ranks' divisor)
+    expected: int  # ranks that take part, each of which must produce each gradient (join: the active ones)
     local_unused: list[int]  # no gradient on this rank: the graph walk's, then the never-arrived
     pending: list[int]  # per bucket: gradients still missing
     counts: UsedCounts  # this rank's 1/0 per parameter, summed over ranks at the end
     ready: list[bool] = field(default_factory=list)  # per parameter: its gradient is in its bucket
     futures: list = field(default_factory=list)  # each launched bucket's future, in bucket order
     started: bool = False  # the end-of-backward callback is queued
-    shadow: bool = False  # a joined rank's (join.py): zeros go out, nothing comes back into .grad
 
     @property
     def next_bucket(self) -> int:
@@ -59,20 +63,19 @@ class Reducer:
         self._group = process_group  # who we average with; None: the default group, never held (clean_exit.py)
         self.world_size = dist.get_world_size(self.group)
         self.size_limits = list(size_limits)  # bucket byte limits (first, then the rest)
-        self.find_unused = find_unused_parameters or static_graph  # unused on purpose: their .grad kept, no error
         self.as_view = gradient_as_bucket_view  # .grad is a view into the bucket
         self.observers = Observers(observers)  # told each named event (observers.py)
-        self.set_comm_hook(None, None)  # hook None: the default path (divide, sum); call_order: when a bucket may go
+        # the seams: when a gradient is ready (readiness.py), and what a complete bucket's collective is
+        self.readiness = readiness_for(self, find_unused_parameters, static_graph)
+        self.collective: BucketCollective = collective_for(None, None, self.world_size)  # register_comm_hook: CommHook
         self._install(list(reversed(compute_bucket_assignment(self.params, self.size_limits))))  # last layers first
         self.backward: Backward | None = None  # armed by a synced forward until its backward ends
         self.accumulated = Accumulated(len(self.params))  # got a gradient since the last sync (no_sync too)
-        self.warned_no_unused = False  # the "flag set but nothing unused" warning, once
         self.ready_order: list[int] = []  # parameter indices as their gradients arrived (first iteration)
-        self.rebuilt = find_unused_parameters  # torch never rebuilds when the graph may change
+        self.rebuilt = not self.readiness.rebuilds  # torch never rebuilds when the graph may change
         self.rebuild_due = False  # rebuild at the next forward
         self.backwards = 0  # synced backwards so far (shadowed ones too): names a collective in errors
         self.superseded = False  # a later wrapper of the same parameters took their hooks over
-        self.static = StaticGraph(self.names, dist.get_rank(self.group), self.world_size) if static_graph else None
         for i, p in enumerate(self.params):
             hook_once(p, self._hook, i)  # held weakly: a deleted wrapper leaves no hook behind
 
@@ -84,20 +87,21 @@ class Reducer:
         self.buckets = build_buckets(self.params, self.names, assignment)
         self.where = {i: (b, k) for b, indices in enumerate(assignment) for k, i in enumerate(indices)}
 
-    def set_comm_hook(self, state, hook) -> None:
-        self.hook, self.hook_state, self.call_order = hook, state, CallOrder(hook)
+    def set_comm_hook(self, state, hook) -> None:  # hook None: the default path (divide by N, sum)
+        self.collective = collective_for(state, hook, self.world_size)
 
     @property
     def waiting_for_backward(self) -> bool:  # armed by a synced forward whose backward has not started
         return self.backward is not None and not self.backward.started
 
     # --8<-- [start:prepare]
-    def prepare_for_backward(self, outputs, divisor: int | None = None, expected: int | None = None) -> None:
-        """Called at the end of a synced forward: arm the hooks for the coming backward."""
+    def prepare_for_backward(self, outputs, collective: BucketCollective | None = None,
+                             expected: int | None = None) -> None:
+        """Called at the end of a synced forward: arm the hooks for the coming backward (join: its active ranks'
+        ``collective`` and their number ``expected``)."""
         self.backward = Backward(
-            divisor=divisor or self.world_size, expected=expected or self.world_size,
-            local_unused=self.static.begin() if self.static else  # static_graph: no walk, the first backward's
-            unused_parameters(outputs, self.params) if self.find_unused else [],
+            collective=collective or self.collective, expected=expected or self.world_size,
+            local_unused=self.readiness.begin(outputs),  # find_unused: the graph walk's; static: the first backward's
             pending=[len(b.params) for b in self.buckets], counts=UsedCounts(len(self.params)),
             ready=[False] * len(self.params))
         on_backward_start(outputs, self.params, self._start_backward)  # a backward reaching the parameters
@@ -123,15 +127,15 @@ class Reducer:
             self.accumulated.unarmed(self.names[i])  # warned, unless a no_sync forward explains it
             return
         self._start_backward()
-        if self.static is not None and not self.static.fire(i):  # static_graph: ready at its last firing
+        if not self.readiness.fire(i):  # static_graph: ready at its last firing
             return
         if not self.rebuilt:
             self.ready_order.append(i)
         self._mark_ready(i, grad)
     # --8<-- [end:hook]
 
-    def _mark_unused(self, i: int) -> None:  # no gradient in this backward: what unused_contribution says
-        self._mark_ready(i, *unused_contribution(self.params[i].grad, self.find_unused, i in self.accumulated))
+    def _mark_unused(self, i: int) -> None:  # no gradient in this backward: what the readiness policy sends
+        self._mark_ready(i, *self.readiness.contribution(self.params[i].grad, i in self.accumulated))
 
     # --8<-- [start:mark_ready]
     def _mark_ready(self, i: int, grad, used: bool = True) -> None:
@@ -142,14 +146,14 @@ class Reducer:
         bucket = self.buckets[b]
         if not used:  # counted as absent; a bucket-view .grad is copied before the slot is overwritten
             state.counts.mark_unused(i, self.params[i].grad, bucket.views[k])
-        bucket.put(k, grad, 1 if self.hook is not None else state.divisor)  # a hook divides by itself
+        bucket.put(k, grad, state.collective.divisor)  # a hook's collective divides by itself (1 here)
         state.ready[i] = True
         self.observers.grad_ready(i, self.names[i])
         self._launch(state)
 
     def _complete(self, state: Backward, b: int) -> bool:
-        """Every gradient of bucket ``b`` is in it (a joined rank's shadow backward: zeros, always complete)."""
-        return state.shadow or all(state.ready[i] for i in self.buckets[b].indices)
+        """Every gradient of bucket ``b`` is in it (a backward without gradients: all ready from the start)."""
+        return all(state.ready[i] for i in self.buckets[b].indices)
     # --8<-- [end:mark_ready]
 
     # --8<-- [start:launch]
@@ -164,19 +168,13 @@ class Reducer:
             self._communicate(state, self.buckets[b])
 
     def _communicate(self, state: Backward, bucket) -> None:
-        flat = torch.zeros_like(bucket.buffer) if state.shadow else bucket.buffer  # a joined rank sends zeros
-        with issued_as("join's zeros for each bucket" if state.shadow else f"bucket {bucket.index} all-reduce"):
-            if self.hook is None:  # the default path: the gradients came in divided by N, so the sum is the mean
-                future = all_reduce(flat, self.group)
-            else:  # torch's contract: the hook gets the undivided bucket and returns a future of its mean
-                future = checked_future(self.hook, self.hook(self.hook_state, bucket.for_hook(
-                    bucket.index == len(self.buckets) - 1, flat)), bucket.index)
+        with issued_as(f"bucket {bucket.index} all-reduce"):
+            future = state.collective.issue(bucket, bucket.buffer, bucket.index == len(self.buckets) - 1, self.group)
         state.futures.append(future)
-        if not state.shadow:
-            self.observers.bucket_launched(bucket, future)
+        self.observers.bucket_launched(bucket, future)
 
     def _may_issue(self, state: Backward, wait: bool) -> bool:  # may the next collective go out now? (wait: until)
-        previous = self.call_order.wait_for(state.futures)
+        previous = state.collective.call_order.wait_for(state.futures)
         if previous is not None and wait:
             self._wait(f"all-reduce of bucket {state.next_bucket - 1}", previous)
         return previous is None or wait
@@ -187,12 +185,11 @@ class Reducer:
 
     # --8<-- [start:finalize]
     def _finalize(self) -> None:
-        """Autograd callback after backward: finish every bucket, write the results back, check the counts."""
+        """Autograd callback after backward: ``_finish`` the buckets, ``land`` each result, check the counts."""
         state = self.backward
         self.backwards += 1
-        try:
-            if self.static is not None:  # its first backward: all that came goes now; each backward: its flags
-                self.static.before_finish(state.counts, lambda i: self._mark_ready(i, self.params[i].grad))
+        try:  # static_graph: in its first backward, all that came goes now; in each, its flags join the counts
+            self.readiness.before_finish(state.counts, lambda i: self._mark_ready(i, self.params[i].grad))
             for i, done in enumerate(state.ready):  # no gradient on this rank: zeros, so nobody hangs
                 if not done:
                     state.local_unused.append(i)
@@ -200,16 +197,14 @@ class Reducer:
             means, counts = self._finish(state)
             by_index = {bucket.index: bucket for bucket in self.buckets}
             for index, mean in enumerate(means):
-                by_index[index].write_back(mean, counts, self.as_view)
+                state.collective.land(by_index[index], mean, counts, self.as_view)
             state.counts.restore_kept(self.params, counts)
             self.accumulated.clear()
         finally:
             self.backward = None  # disarmed, whatever happened
         self.observers.backward_ended()
-        self.warned_no_unused |= self.static.end(counts) if self.static else check_counts(  # static: learn, or raise
-            counts, state.expected, self.names, find_unused=self.find_unused, local=state.local_unused,
-            params=self.params, warn_if_nothing_unused=not self.warned_no_unused)
-        self.rebuild_due = not self.rebuilt and (self.static is None or self.static.order_known)  # once, next forward
+        self.readiness.end(counts, state.expected, state.local_unused)  # a gradient missing: raise on every rank
+        self.rebuild_due = not self.rebuilt and self.readiness.order_known  # once, at the next forward
 
     def _finish(self, state: Backward) -> tuple[list[torch.Tensor], list[int]]:
         """The buckets still waiting their turn, then the used counts (after every hook's last collective,
@@ -217,20 +212,19 @@ class Reducer:
         self._launch(state, wait=True)
         self._may_issue(state, wait=True)
         summed = state.counts.all_reduce(self.group, self.buckets[0].buffer.device)
-        results = [hook_result(self.hook, b.index, self._wait(f"all-reduce of bucket {b.index}", f), b.buffer)
+        results = [state.collective.result(b, self._wait(f"all-reduce of bucket {b.index}", f))
                    for b, f in zip(self.buckets, state.futures)]
         self._wait("used-counts all-reduce", summed)
         return results, state.counts.counts()
     # --8<-- [end:finalize]
 
-    # --8<-- [start:shadow]
-    def shadow_backward(self) -> None:
-        """A joined rank's share of a backward it sits out (``join.py``): the active ranks' launch and finish with
-        zeros, nothing written back (torch: ``DistributedDataParallel._match_all_reduce_for_bwd_pass``)."""
+    def backward_without_gradients(self, collective: BucketCollective) -> None:
+        """A backward this rank sits out: every bucket issued through ``collective`` in bucket order, the used
+        counts all zero, all waited for; nothing lands here (join's shadow: ``ddp_join.py``)."""
         self.backwards += 1  # counted as the active ranks count theirs: a stalled collective's name agrees
-        self._finish(Backward(divisor=1, expected=self.world_size, local_unused=[], shadow=True,
-                              pending=[0] * len(self.buckets), counts=UsedCounts(len(self.params), used=0)))
-    # --8<-- [end:shadow]
+        self._finish(Backward(collective=collective, expected=self.world_size, local_unused=[],
+                              pending=[0] * len(self.buckets), counts=UsedCounts(len(self.params), used=0),
+                              ready=[True] * len(self.params)))  # nothing to wait for: every bucket is complete
 
     # --8<-- [start:rebuild]
     @issued_as("bucket order broadcast")

@@ -15,6 +15,9 @@ from __future__ import annotations
 import warnings
 from collections import Counter
 
+from .readiness import Readiness
+from .unused import unused_contribution
+
 
 class StaticGraphChangedError(RuntimeError):
     """A backward after the first produced other gradients, or as many more times, than the first did."""
@@ -31,8 +34,8 @@ def check_flags(static_graph: bool, find_unused_parameters: bool) -> None:
                       "find_unused_parameters=True adds nothing (no graph walk is done)", stacklevel=3)
 
 
-class StaticGraph:
-    """One reducer's knowledge of the graph: learned in the first synced backward, then fixed."""
+class StaticGraph(Readiness):
+    """One reducer's knowledge of the graph: learned in the first synced backward, then fixed (a ``Readiness``)."""
 
     def __init__(self, names: list[str], rank: int, world_size: int):
         self.names = names
@@ -51,8 +54,11 @@ class StaticGraph:
         (torch: the same; in the first, hooks only count)."""
         return self.ended > 1
 
+    def contribution(self, grad, accumulated: bool):
+        return unused_contribution(grad, True, accumulated)  # a parameter off the graph keeps its .grad
+
     # --8<-- [start:fire]
-    def begin(self) -> list[int]:
+    def begin(self, outputs=None) -> list[int]:
         """At a synced forward: reset the firings; the parameters to mark unused when backward starts."""
         self.fired = Counter()
         if self.learning:
@@ -85,20 +91,19 @@ class StaticGraph:
             return [0] * len(self.names)
         return [int(self.fired[i] != times) for i, times in enumerate(self.expected)]
 
-    def end(self, counts: list[int]) -> bool:
+    def end(self, counts: list[int], expected: int = 0, local=()) -> None:
         """After the all-reduce: ``counts`` is the used counts, then the summed ``flags``. Learns from the first
         backward (and counts it in ``ended``); raises ``self.changed(...)`` on every rank if a later one differs
-        from it. Returns False (nothing was warned)."""
+        from it."""
         n = len(self.names)
         per_param, per_rank = counts[-(n + self.world_size):-self.world_size], counts[-self.world_size:]
         self.ended += 1
         if self.learning:
             self.expected = [self.fired[i] for i in range(n)]
-            return False
+            return
         params = [i for i, summed in enumerate(per_param) if summed]
         if params:
             raise self.changed(params, [r for r, summed in enumerate(per_rank) if summed])
-        return False
 
     def changed(self, params: list[int], ranks: list[int]) -> StaticGraphChangedError:
         """The error for parameters ``params`` whose calls changed on ``ranks``, with this rank's own counts."""

@@ -23,6 +23,7 @@ from . import comm_hooks  # miniddp.comm_hooks.allreduce_hook, ..., PowerSGDStat
 from .engine.no_sync import accumulation_windows, no_sync, should_sync
 from .by_hand.sharding import ShardSampler
 from .by_hand.averaging import average_gradients, ring_all_reduce
+from .by_hand.bucketed import BucketedDataParallel
 from .training.config import TrainingConfig
 from .training.batches import EvalPrediction
 from .training.output_dir import OutputDirError
@@ -34,6 +35,7 @@ from .training.trainer_state import TrainerState
 __version__ = "0.1.0"
 
 __all__ = [
+    "BucketedDataParallel",
     "DEVICE_BACKENDS",
     "CollectiveMismatchError",
     "DDPOptimizer",

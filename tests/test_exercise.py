@@ -30,6 +30,7 @@ S, A, B = "tests/test_sharding.py::", "tests/test_averaging.py::", "tests/test_b
 N, F, H = "tests/test_no_sync.py::", "tests/test_buffers.py::", "tests/test_comm_hooks.py::"
 D, U, J = "tests/test_ddp.py::", "tests/test_unused.py::", "tests/test_join.py::"
 G = "tests/test_static_graph.py::"
+K = "tests/test_bucketed.py::"
 
 # exercise -> (what the learner got wrong, the reference text, what they wrote, the items it must fail)
 MISTAKES = {
@@ -84,6 +85,29 @@ MISTAKES = {
         ("the remainder all in the last chunk: chunks of very different sizes",
          "end = start + base + (1 if i < extra else 0)", "end = start + base + (extra if i == world_size - 1 else 0)",
          [A + "test_chunk_bounds_tile_the_tensor_with_sizes_differing_by_at_most_one"]),
+    ],
+    "bucketed": [
+        ("forgets to divide: the sum over ranks, not the mean",
+         "torch.div(p.grad, self.world_size, out=bucket.views[k])", "bucket.views[k].copy_(p.grad)",
+         [K + "test_matches_torch_ddp"]),
+        ("launches a bucket the moment it completes (picotron's rule), not in bucket order",
+         "        while self._next < len(self.buckets) and self.buckets[self._next].complete:\n"
+         "            first = self.buckets[self._next]\n",
+         "        if bucket.complete:\n            first = bucket\n",
+         [K + "test_buckets_launch_in_bucket_order_on_every_rank",
+          K + "test_ranks_that_complete_buckets_in_different_orders_still_pair_them"]),
+        ("never waits for the all-reduces nor copies the mean back into .grad",
+         "            bucket.work.wait()  # the buffer now holds the sum over ranks of grad / N: the mean\n"
+         "            for p, view in zip(bucket.params, bucket.views):\n                p.grad.copy_(view)\n",
+         "            pass\n", [K + "test_equals_one_process_on_the_global_batch"]),
+        ("syncs inside no_sync: every micro-batch pays an all-reduce",
+         "        if not self._sync:  # inside no_sync: the gradient stays in p.grad, the next ones add to it\n"
+         "            return\n", "", [K + "test_no_sync_keeps_gradients_local_then_averages_the_sums"]),
+        ("fills the buckets from the first parameter", "    for i in reversed(range(len(params))):",
+         "    for i in range(len(params)):", [K + "test_buckets_fill_from_the_last_parameter_one_dtype_each"]),
+        ("the wrap broadcasts nothing: each rank keeps its own initial model",
+         "            dist.broadcast(tensor.detach(), src=src, group=self.process_group)", "            pass",
+         [K + "test_wrap_broadcasts_parameters_and_buffers_from_rank_0"]),
     ],
     "bucketing": [
         ("one bucket mixes dtypes", "key = (t.dtype, t.device)", "key = t.device", [B + "test_pytorch_cases"]),
@@ -208,8 +232,8 @@ def _write(tmp_path, name, text) -> Path:
 
 
 def test_every_exercise_has_three_mistakes_and_its_spec_items_exist():
-    assert [e.name for e in EXERCISES] == ["sharding", "averaging", "ring", "bucketing", "no_sync", "buffers",
-                                           "compression", "powersgd", "reducer", "unused", "static_graph",
+    assert [e.name for e in EXERCISES] == ["sharding", "averaging", "ring", "bucketed", "bucketing", "no_sync",
+                                           "buffers", "compression", "powersgd", "reducer", "unused", "static_graph",
                                            "join"]
     for e in EXERCISES:
         assert len(MISTAKES[e.name]) >= 3, e.name

@@ -147,7 +147,7 @@ API_OF = {
     "timeouts.md": ["miniddp.process_group.timeouts", "miniddp.process_group.monitored_barrier",
                     "miniddp.process_group.stalled_ranks", "miniddp.process_group.process_info"],
     "sharding.md": ["miniddp.by_hand.sharding"],
-    "averaging.md": ["miniddp.by_hand.averaging"],
+    "averaging.md": ["miniddp.by_hand.averaging", "miniddp.by_hand.bucketed"],
     "bucketing.md": ["miniddp.engine.bucketing", "miniddp.engine.reducer", "miniddp.engine.autograd_hooks",
                      "miniddp.engine.observers", "miniddp.engine.stalls"],
     "comm-hooks.md": ["miniddp.comm_hooks", "miniddp.comm_hooks.grad_bucket", "miniddp.comm_hooks.default_hooks",

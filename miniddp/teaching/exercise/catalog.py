@@ -32,6 +32,7 @@ class Exercise:
 
 _SHARDING = "tests/test_sharding.py::"
 _AVERAGING = "tests/test_averaging.py::"
+_BUCKETED = "tests/test_bucketed.py::"
 _BUCKETING = "tests/test_bucketing.py::"
 _NO_SYNC = "tests/test_no_sync.py::"
 _BUFFERS = "tests/test_buffers.py::"
@@ -80,6 +81,24 @@ EXERCISES: tuple[Exercise, ...] = (
                  "on a subgroup it uses the group's ranks; a non-member's tensor is untouched"),
         SpecItem(_AVERAGING + "test_each_rank_sends_2_n_minus_1_over_n_of_the_tensor",
                  "each rank sends 2(n-1)/n of the tensor in 2(n-1) exchanges"),
+    )),
+    Exercise("bucketed", "miniddp.by_hand.bucketed", ("assign_buckets", "BucketedDataParallel"),
+             ("BucketedDataParallel",), "averaging.md", (
+        SpecItem(_BUCKETED + "test_matches_torch_ddp",
+                 "gradients and parameters equal torch DDP's with the same bucket cap: several models, a bucket "
+                 "per parameter, accumulation under no_sync"),
+        SpecItem(_BUCKETED + "test_equals_one_process_on_the_global_batch",
+                 "1 to 3 ranks, with and without accumulation, train as one process on the whole global batch"),
+        SpecItem(_BUCKETED + "test_buckets_fill_from_the_last_parameter_one_dtype_each",
+                 "buckets filled from the last parameter, each closing at the cap, one dtype each, in launch order"),
+        SpecItem(_BUCKETED + "test_buckets_launch_in_bucket_order_on_every_rank",
+                 "buckets are launched in bucket order, even when they complete in another"),
+        SpecItem(_BUCKETED + "test_ranks_that_complete_buckets_in_different_orders_still_pair_them",
+                 "ranks that complete their buckets in different orders still average each with its counterpart"),
+        SpecItem(_BUCKETED + "test_no_sync_keeps_gradients_local_then_averages_the_sums",
+                 "inside no_sync nothing is sent and .grad stays local; the next synced backward averages the sums"),
+        SpecItem(_BUCKETED + "test_wrap_broadcasts_parameters_and_buffers_from_rank_0",
+                 "the wrap makes every rank's parameters and buffers rank 0's"),
     )),
     Exercise("bucketing", "miniddp.engine.bucketing", ("compute_bucket_assignment", "rebuilt_assignment"),
              ("compute_bucket_assignment",), "bucketing.md", (

@@ -1,7 +1,7 @@
 """Launching: ``miniddp launch script.py`` like ``accelerate launch``: the command line and its run.
 
 What
-    ``miniddp launch [--config_file F] [--num_processes N] [--machine_rank R] [--dry_run]
+    ``miniddp launch [--config_file F] [--num_processes N] [--machine_rank R] [--dry_run] [--drop_in]
     script.py [args...]`` (or ``-m module [args...]``) runs the script on N processes through
     ``torch.distributed.run``: torchrun itself, in-process, no home-made launcher. This module
     splits the command line (everything after the script or module name is the script's,
@@ -45,7 +45,7 @@ USAGE = "miniddp launch [options] script.py|-m module [args...]"
 
 # --8<-- [start:split]
 VALUE_OPTIONS = {"--config_file", "--num_processes", "--machine_rank"}
-FLAG_OPTIONS = {"--dry_run", "-h", "--help"}
+FLAG_OPTIONS = {"--dry_run", "--drop_in", "-h", "--help"}
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
@@ -68,7 +68,7 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
                               "`miniddp launch --config_file F -m miniddp.train --output_dir out`")
         if word not in VALUE_OPTIONS | FLAG_OPTIONS and word.split("=")[0] not in VALUE_OPTIONS:
             raise LaunchError(f"unknown option {word}: the launcher's options ({', '.join(sorted(VALUE_OPTIONS))}, "
-                              "--dry_run) go before the script; the script's own go after it")
+                              "--dry_run, --drop_in) go before the script; the script's own go after it")
         i += 2 if word in VALUE_OPTIONS else 1
     return argv, [], []
 # --8<-- [end:split]
@@ -102,6 +102,8 @@ def _parser() -> argparse.ArgumentParser:
     add("--machine_rank", metavar="R", type=_whole(0, MAX_PROCESSES - 1, "this machine's index, 0 on the main one"),
         help="this machine's index; overrides the YAML and SLURM_NODEID")
     add("--dry_run", action="store_true", help="print the torchrun command and exit")
+    add("--drop_in", action="store_true", help="run the script on miniddp's DDP in place of torch's "
+        "(python -m miniddp.drop_in): an unchanged Transformers, TRL, Accelerate or Lightning script")
     return parser
 
 
@@ -134,7 +136,8 @@ def launch_command(argv: list[str]) -> tuple[list[str], dict, bool]:
     if "num_processes" not in cfg:  # per machine, times the machines
         per_node, why = default_num_processes(cfg.get("use_cpu", False))
         cfg["num_processes"] = per_node * cfg.get("num_machines", 1)
-    command = torchrun_args(cfg, machine_rank=args.machine_rank) + target
+    drop_in = ["-m", "miniddp.drop_in"] if args.drop_in else []  # it runs the script, or `-m module`, itself
+    command = torchrun_args(cfg, machine_rank=args.machine_rank) + drop_in + target
     notices += [f"{why}; --num_processes N to choose"] if why else []
     notices += [f"{args.config_file}: ignoring {', '.join(ignored_settings(cfg))}"] if ignored_settings(cfg) else []
     if not args.dry_run:

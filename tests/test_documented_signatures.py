@@ -34,21 +34,11 @@ DESIGN = Path(__file__).parents[2] / "shared" / "DESIGN.md"
 # What the design card shows and the code does not have yet: (name, parameter), or (name, None) for a name
 # that does not exist. Each still fails its comparison; once it passes, the test says to delete the entry.
 NOT_YET = {
-    # DistributedDataParallel takes torch's whole signature (positional order and keywords) for the drop-in:
-    ("miniddp.DistributedDataParallel", "output_device"): "torch's keyword; the constructor does not take it yet",
-    ("miniddp.DistributedDataParallel", "dim"): "torch's keyword; the constructor does not take it yet",
-    ("miniddp.DistributedDataParallel", "init_sync"): "torch's keyword; the constructor does not take it yet",
-    ("miniddp.DistributedDataParallel", "check_reduction"): "torch's keyword; the constructor does not take it yet",
-    ("miniddp.DistributedDataParallel", "broadcast_buffers"): "keyword-only until torch's positional order lands",
-    ("miniddp.DistributedDataParallel", "process_group"): "keyword-only until torch's positional order lands",
-    ("miniddp.DistributedDataParallel", "bucket_cap_mb"): "keyword-only until torch's positional order lands",
-    ("miniddp.DistributedDataParallel", "find_unused_parameters"): "keyword-only until torch's positional order",
-    ("miniddp.DistributedDataParallel", "gradient_as_bucket_view"): "keyword-only until torch's positional order",
-    ("miniddp.DistributedDataParallel", "static_graph"): "keyword-only until torch's positional order lands",
+    # the card shows torch 2.12's default; the constructor has torch 2.13's (None: True, deprecated for
+    # forward_sync_buffers), as its whole signature must equal torch's (tests/test_torch_surface.py)
+    ("miniddp.DistributedDataParallel", "broadcast_buffers"): "the card's default True is torch 2.12's; 2.13's is None",
     # sharded data parallelism: miniddp/zero/ holds no optimizer yet
     ("miniddp.ZeroRedundancyOptimizer", None): "ZeRO-1 is not built yet",
-    # running an unchanged script on miniddp's engine
-    ("miniddp.drop_in.install", None): "the drop-in module is not written yet",
 }
 
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>```+|~~~+)(?P<info>[^\n]*)\n"
@@ -432,15 +422,16 @@ def test_the_comparison_fails_when_the_code_loses_what_the_docs_show(monkeypatch
     assert [p.param for p in check(shown, positional)] == ["process_group", "bucket_cap_mb", "tracer"]
     assert [p.param for p in check(shown, reordered)] == ["module", "device_ids"]
 
-    # the real pipeline: docs/ddp.md's signature against DistributedDataParallel without `static_graph`
+    # the real pipeline: docs/ddp.md's signature against DistributedDataParallel without its last positional
+    # parameter (one before it would move every later one, and each would be named)
     import miniddp
 
     ddp = miniddp.DistributedDataParallel
     sig = inspect.signature(ddp)
     monkeypatch.setattr(ddp, "__signature__", sig.replace(
-        parameters=[p for p in sig.parameters.values() if p.name != "static_graph"]), raising=False)
+        parameters=[p for p in sig.parameters.values() if p.name != "forward_sync_buffers"]), raising=False)
     page = [s for s in doc_signatures() if s.target == "miniddp.DistributedDataParallel" and s.items]
-    assert page and {p.param for s in page for p in check(s)} == {"static_graph"}
+    assert page and {p.param for s in page for p in check(s)} == {"forward_sync_buffers"}
 
 
 def test_a_not_yet_entry_that_the_code_has_or_no_doc_shows_must_go():

@@ -156,7 +156,8 @@ API_OF = {
     "buffers.md": ["miniddp.engine.buffers"],
     "unused-parameters.md": ["miniddp.engine.unused", "miniddp.engine.static_graph"],
     "ddp.md": ["miniddp.engine.ddp", "miniddp.engine.readiness", "miniddp.engine.bucket_collective",
-               "miniddp.engine.ownership", "miniddp.engine.inputs", "miniddp.engine.ddp_optimizer"],
+               "miniddp.engine.ownership", "miniddp.engine.inputs", "miniddp.engine.ddp_optimizer",
+               "miniddp.engine.torch_arguments", "miniddp.engine.torch_surface"],
     "performance.md": ["miniddp.diagnostics.trace", "miniddp.diagnostics.timeline"],
     "costmodel.md": ["miniddp.costmodel.alpha_beta", "miniddp.costmodel.step_profile", "miniddp.costmodel.simulate",
                      "miniddp.diagnostics.trace"],
@@ -175,6 +176,7 @@ API_OF = {
     "launching.md": ["miniddp.launching.launch", "miniddp.launching.torchrun_args", "miniddp.launching.notebook",
                      "miniddp.launching.launch_checks", "miniddp.launching.config_command",
                      "miniddp.launching.env_command"],
+    "your-framework.md": ["miniddp.drop_in"],
     "testing.md": ["miniddp.launching.spawn", "miniddp.testing"],
 }
 

@@ -1,9 +1,9 @@
 """miniddp.DistributedDataParallel: the concepts, composed.
 
 What
-    A drop-in for ``torch.nn.parallel.DistributedDataParallel`` (``device_ids, process_group,
-    bucket_cap_mb, broadcast_buffers, find_unused_parameters, gradient_as_bucket_view, static_graph``). Wrapping
-    checks that every rank built the same model and copies rank 0's state (``buffers.py``); each
+    A drop-in for ``torch.nn.parallel.DistributedDataParallel``: torch 2.13's constructor, each keyword honoured
+    or refused in one line (``torch_arguments.py``), and what frameworks use of torch's class (``torch_surface.py``).
+    Wrapping checks that every rank built the same model and copies rank 0's state (``buffers.py``); each
     grad-enabled forward re-broadcasts buffers and arms the reducer (``reducer.py``), unless it ran
     in ``no_sync()``; inside ``join()`` ranks out of data shadow the others (``ddp_join.DDPJoinHook``).
 
@@ -43,37 +43,49 @@ from .no_sync import ChangedInWindow, no_sync
 from .observers import bucket_cap_chooser
 from .reducer import Reducer
 from .static_graph import check_flags
+from .torch_arguments import buffer_flags, process_group_of, refuse_unimplemented, size_limits, torch_device_ids
+from .torch_surface import TorchDDPSurface
 
 
 class WrappedAgainError(RuntimeError):
     """The model was wrapped by a newer ``DistributedDataParallel``: this older wrapper averages nothing now."""
 
 
-class DistributedDataParallel(torch.nn.Module, Joinable):
+class DistributedDataParallel(TorchDDPSurface, torch.nn.Module, Joinable):
     """Data-parallel wrapper: same constructor arguments and semantics as torch's DDP."""
 
-    def __init__(self, module: torch.nn.Module, device_ids=None, *, process_group=None, bucket_cap_mb=None,
-                 broadcast_buffers: bool = True, find_unused_parameters: bool = False,
-                 gradient_as_bucket_view: bool = False, static_graph: bool = False, tracer=None):
+    def __init__(self, module: torch.nn.Module, device_ids=None, output_device=None, dim=0, broadcast_buffers=None,
+                 init_sync=True, process_group=None, bucket_cap_mb=None, find_unused_parameters=False,
+                 check_reduction=False, gradient_as_bucket_view=False, static_graph=False,
+                 delay_all_reduce_named_params=None, param_to_hook_all_reduce=None, mixed_precision=None,
+                 device_mesh=None, skip_all_reduce_unused_params=False, bucket_cap_mb_list=None,
+                 batched_grad_copy=False, forward_sync_buffers=None, *, tracer=None):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("DistributedDataParallel needs a process group: call "
                                "miniddp.init_distributed() (or torch.distributed.init_process_group) first")
         ownership.refuse_nested(module, DistributedDataParallel)  # DDP(DDP(m)): one line, not a second reducer
-        self.input_device = check_device_ids(module, device_ids)  # forward moves inputs here (torch: the same)
+        refuse_unimplemented(delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
+                             skip_all_reduce_unused_params, check_reduction)  # torch's keywords we lack: one line
+        self.input_device = check_device_ids(module, device_ids or None)  # forward moves inputs here (torch too)
+        self.device_ids, self.output_device = torch_device_ids(module, self.input_device, output_device)  # torch's
+        self.dim = dim  # torch scatters inputs along it only over several devices per process: unused, as there
         self.module = module  # the model; its state_dict is what you save
-        self._process_group = process_group  # None: the default group, looked up at each use (clean_exit.py)
-        self.broadcast_buffers = broadcast_buffers  # copy rank 0's buffers before every forward
+        self._process_group = process_group_of(process_group, device_mesh)  # None: the default group, looked up
+        self.broadcast_buffers, buffers_at_wrap = buffer_flags(broadcast_buffers, forward_sync_buffers)  # forward; wrap
+        self.batched_grad_copy = batched_grad_copy  # torch copies a bucket's gradients at once: the same result
         self.require_backward_grad_sync = True  # False inside no_sync()
+        self.require_forward_param_sync = True  # torch's: did the last forward sync (set by forward)
         self._started = False  # a grad-enabled forward has run: too late for register_comm_hook
         self.auto_cap = bucket_cap_chooser(bucket_cap_mb)  # "auto": the cost model's observer chooses at the rebuild
         self.static_graph = static_graph  # learn the graph in the first backward, then rely on it (static_graph.py)
         self.find_unused_parameters = find_unused_parameters  # walk the graph after each forward (torch's name)
         check_flags(static_graph, find_unused_parameters)
         refuse_meta_tensors(module)  # shapes without data: nothing to broadcast or average
-        limits = bucket_size_limits(bucket_cap_mb)  # "auto": torch's defaults until the rebuild chooses
+        limits = size_limits(bucket_cap_mb, bucket_cap_mb_list)  # "auto": torch's defaults until the rebuild chooses
         # --8<-- [start:wrap]
-        verify_same_model(module, self.process_group, include_buffers=broadcast_buffers)  # or a clear error
+        if init_sync:  # False: the caller vouches that every rank holds the same model (torch: the same)
+            verify_same_model(module, self.process_group, include_buffers=buffers_at_wrap)  # or a clear error
         refuse_sparse_gradients(module)  # our buckets are dense
         self._wrapped = ownership.WrappedParameters(module)  # as wrapped: a change is named at the next forward
         named = self._wrapped.trained()  # (name, parameter) that require grad; tied weights once
@@ -81,7 +93,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             raise ValueError("the module has no parameter with requires_grad=True: there is nothing to average")
         self.device = named[0][1].device  # where small control tensors live (join rounds)
         self._window = ChangedInWindow(named)  # parameters stepped inside a no_sync window: warned
-        sync_module_states(module, self.process_group, include_buffers=broadcast_buffers)  # rank 0's state
+        if init_sync:
+            sync_module_states(module, self.process_group, include_buffers=buffers_at_wrap)  # rank 0's state
         announce_process()  # host:pid in the store, so a stall elsewhere can name this rank
         self._reducer_args = dict(size_limits=limits, find_unused_parameters=find_unused_parameters,
                                   gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph)
@@ -91,8 +104,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
     def _build_reducer(self, tracer=None) -> Reducer:
         named = self._wrapped.trained()
         observers = [o for o in (tracer, self.auto_cap) if o is not None]  # they watch the reducer's events
-        return Reducer([p for _, p in named], [n for n, _ in named], self._process_group, observers=observers,
-                       **self._reducer_args)
+        return self._adopt(Reducer([p for _, p in named], [n for n, _ in named], self._process_group,
+                                   observers=observers, **self._reducer_args))
 
     # deepcopy, pickle, torch.save: the copied module with a reducer of its own; copy.copy: an alias (ownership.py)
     def __deepcopy__(self, memo):
@@ -115,6 +128,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         if self.input_device is not None:  # device_ids=[i]: CPU batches go to cuda:i, as torch DDP does
             args, kwargs = move_to((args, kwargs), self.input_device)
         if not torch.is_grad_enabled():  # evaluation: no buffer broadcast, no rebuild, nothing to sync
+            self.require_forward_param_sync = False
             return self.module(*args, **kwargs)
         if self.reducer.superseded:
             raise WrappedAgainError(ownership.WRAPPED_AGAIN)
@@ -133,6 +147,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             self.reducer.prepare_for_backward(outputs, collective, expected)  # arm the hooks for this graph
         else:
             self.reducer.accumulated.local_forward = True  # its backward stays local, on purpose
+        self.require_forward_param_sync = self.require_backward_grad_sync  # read after the module, as torch does
         return outputs  # a no_sync forward leaves an earlier synced forward armed: its backward syncs (torch too)
 
     def sync_before_forward(self, rebuild: bool, source: int) -> None:

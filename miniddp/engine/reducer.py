@@ -38,6 +38,7 @@ from .no_sync import Accumulated
 from .observers import Observers
 from .readiness import FindUnused, Readiness, Strict
 from .static_graph import StaticGraph
+from .torch_surface import TorchReducerSurface
 from .unused import UsedCounts, gradient_twice_message
 
 
@@ -64,8 +65,8 @@ class Backward:  # everything one synced backward knows; prepare_for_backward ma
         return len(self.futures)
 
 
-class Reducer:
-    """Bucketed, overlapped gradient averaging for a list of parameters."""
+class Reducer(TorchReducerSurface):
+    """Bucketed, overlapped gradient averaging for a list of parameters (and torch's names: TorchReducerSurface)."""
 
     def __init__(self, params, names, process_group, size_limits, *, find_unused_parameters=False,
                  gradient_as_bucket_view=False, static_graph=False, observers=()):

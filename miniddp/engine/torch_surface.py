@@ -1,0 +1,210 @@
+"""torch's DDP surface: what frameworks call on a DistributedDataParallel and on its reducer.
+
+What
+    ``TorchDDPSurface``, mixed into ``DistributedDataParallel``: torch's attributes and methods beyond the core
+    (``forward_sync_buffers``, ``_set_static_graph()``, ``_get_ddp_logging_data()``, ...). ``TorchReducerSurface``,
+    mixed into the ``Reducer``: the C++ reducer's methods Lightning calls (``_rebuild_buckets()``,
+    ``_delay_all_reduce()``; ``prepare_for_backward(outputs)`` is the reducer's own). Any other name torch's
+    classes have raises ``UnimplementedTorchAttribute`` (an ``AttributeError``) naming it, at the access. The
+    constructor's keywords are ``torch_arguments.py``'s.
+
+Why
+    Frameworks were written against torch's class. Lightning's manual optimisation
+    (``lightning/pytorch/overrides/distributed.py``, ``prepare_for_backward``) sets ``require_forward_param_sync``,
+    reads ``find_unused_parameters`` and ``static_graph``, calls ``reducer._rebuild_buckets()`` and
+    ``reducer.prepare_for_backward(args)``; its strategy (``lightning/pytorch/strategies/ddp.py``) calls
+    ``reducer._delay_all_reduce()`` after a first static-graph backward and reads
+    ``_get_ddp_logging_data().get("can_set_static_graph")`` at teardown. Accelerate's ``trigger_sync_in_backward``
+    (``accelerate/accelerator.py``) sets both ``require_*_sync`` flags and calls ``reducer.prepare_for_backward([])``.
+    Transformers and TRL reach the wrapper through Accelerate (and ``.module``). Kept here, the reducer's core
+    stays one idea.
+
+How torch differs
+    ``torch/nn/parallel/distributed.py`` and the C++ ``Logger`` (``torch/csrc/distributed/c10d/logger.cpp``).
+    The logging data here holds what miniddp knows, under torch's names, without timings (the tracer has them)
+    and without ``can_set_static_graph``, which torch writes only when its logger is destroyed or when
+    ``find_unused_parameters`` sees the unused set change (a live torch DDP whose graph stayed static has none
+    either). ``require_forward_param_sync`` is kept as torch keeps it, but buffers are broadcast at every
+    grad-enabled forward (torch skips the forward after one that did not sync). After a backward,
+    ``_delay_all_reduce()`` has nothing left to send: the end-of-backward callback, queued at the first
+    gradient, sent every bucket (torch's first static-graph backward waits for this call).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import re
+import warnings
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from .static_graph import check_flags
+
+
+class UnimplementedTorchAttribute(AttributeError):
+    """An attribute torch's DistributedDataParallel (or its reducer) has and miniddp's does not; ``name`` is it.
+    An ``AttributeError``: ``hasattr`` and ``getattr(ddp, name, default)`` answer as they would for any missing one."""
+
+    def __init__(self, owner: str, name: str, obj, hint: str = ""):
+        super().__init__(f"{name!r} is an attribute of torch's {owner} that miniddp's does not implement: "
+                         f"{hint or 'use what docs/ddp.md lists (ddp.module is your model), or run this on torch DDP'}",
+                         name=name, obj=obj)
+
+
+HINTS = {  # what to use instead, for the names a user is likeliest to reach for
+    "logger": "its fields are in ddp._get_ddp_logging_data()",
+    "bucket_bytes_cap": "ddp._get_ddp_logging_data()['bucket_cap_bytes'] has it",
+    "_has_rebuilt_buckets": "ddp._get_ddp_logging_data()['has_rebuilt_buckets'] has it",
+    "_module_parameters": "ddp.reducer.params are the parameters it averages",
+}
+
+
+@functools.cache
+def torch_ddp_names() -> frozenset[str]:
+    """What a torch DistributedDataParallel has beyond nn.Module: its class's attributes, and those
+    ``torch/nn/parallel/distributed.py`` assigns to an instance (``self.x = ...``, ``ddp.x = ...``)."""
+    cls = torch.nn.parallel.DistributedDataParallel
+    assigned = set(re.findall(r"\b(?:ddp|ddp_weakref)\.(\w+)\s*=(?!=)", inspect.getsource(inspect.getmodule(cls))))
+    for klass in cls.__mro__:  # DDP's own code and its torch bases' (Joinable's _join_config), not nn.Module's
+        if klass.__module__.startswith("torch.distributed") or klass is cls:
+            assigned |= set(re.findall(r"\bself\.(\w+)\s*(?::[^=\n]*)?=(?!=)", inspect.getsource(klass)))
+    return frozenset(n for n in (set(dir(cls)) | assigned) - set(dir(torch.nn.Module)) if not n.startswith("__"))
+
+
+@functools.cache
+def torch_reducer_names() -> frozenset[str]:
+    """The methods of torch's C++ reducer (``torch._C._distributed_c10d.Reducer``)."""
+    return frozenset(n for n in dir(dist.Reducer) if not n.startswith("__"))
+
+
+_DTYPE_NAMES = {torch.float32: "float", torch.float64: "double", torch.float16: "c10::Half",
+                torch.bfloat16: "c10::BFloat16"}  # as torch's logger names them (c10's type names)
+
+
+def bucket_sizes(buckets) -> str:
+    """Bytes per bucket in reduction order, as torch's logger writes them: ``"64, 1024"``."""
+    return ", ".join(str(sum(p.numel() * p.element_size() for p in b.params)) for b in buckets)
+
+
+def logging_data(ddp) -> dict:
+    """torch's ``_get_ddp_logging_data()`` fields that miniddp knows (ints for flags, as torch's ``ints_map``)."""
+    r, group = ddp.reducer, ddp.process_group
+    rebuilt = r.readiness.rebuilds and r.rebuilt  # by arrival order (torch never rebuilds for a changing graph)
+    data = {
+        "module_name": type(ddp.module).__name__, "world_size": dist.get_world_size(group),
+        "rank": dist.get_rank(group), "backend_name": dist.get_backend(group),
+        "device_ids": ", ".join(map(str, ddp.device_ids or [])),
+        "output_device": -1 if ddp.output_device is None else ddp.output_device,
+        "broadcast_buffers": int(ddp.broadcast_buffers), "bucket_cap_bytes": max(r.size_limits),
+        "find_unused_parameters": int(ddp.find_unused_parameters), "gradient_as_bucket_view": int(r.as_view),
+        "has_sync_bn": int(any(isinstance(m, torch.nn.SyncBatchNorm) for m in ddp.module.modules())),
+        "is_multi_device_module": int(len({p.device for p in ddp.module.parameters()}) > 1),
+        "num_parameter_tensors": len(r.params),
+        "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in r.params),
+        "dtypes": ", ".join(sorted({_DTYPE_NAMES.get(p.dtype, str(p.dtype).removeprefix("torch.")) for p in r.params})),
+        "bucket_sizes": ddp._wrap_bucket_sizes, "has_rebuilt_buckets": int(rebuilt),
+        **{key: os.environ.get(var, "N/A") for key, var in (
+            ("master_addr", "MASTER_ADDR"), ("master_port", "MASTER_PORT"),
+            ("cuda_visible_devices", "CUDA_VISIBLE_DEVICES"), ("torch_distributed_debug", "TORCH_DISTRIBUTED_DEBUG"))},
+    }
+    if rebuilt:
+        data["rebuilt_bucket_sizes"] = bucket_sizes(r.buckets)
+    if ddp.static_graph:
+        data["static_graph"] = 1  # torch writes it only once static_graph is set
+    return data
+
+
+class TorchDDPSurface:
+    """torch's DistributedDataParallel attributes and methods beyond miniddp's core (mixed into it, before
+    nn.Module, so that its ``__getattr__`` runs nn.Module's first)."""
+
+    mixed_precision = None  # torch's _MixedPrecision: refused at wrap unless None
+    skip_all_reduce_unused_params = False  # refused at wrap unless False
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)  # nn.Module's: parameters, buffers, submodules (.module)
+        except AttributeError:
+            if name not in torch_ddp_names():
+                raise
+        raise UnimplementedTorchAttribute("DistributedDataParallel", name, self, HINTS.get(name, ""))
+
+    @property
+    def forward_sync_buffers(self) -> bool:
+        """torch 2.13's name for ``broadcast_buffers``: rank 0's buffers are copied before each forward."""
+        return self.broadcast_buffers
+
+    @forward_sync_buffers.setter
+    def forward_sync_buffers(self, value: bool) -> None:
+        self.broadcast_buffers = value
+
+    @property
+    def gradient_as_bucket_view(self) -> bool:
+        return self.reducer.as_view
+
+    @property
+    def device_type(self) -> str:
+        return self.device.type
+
+    def _adopt(self, reducer):
+        """A new reducer of this wrapper's: told whose it is (its ``_rebuild_buckets()`` rebuilds as this
+        wrapper's forward does) and its first buckets remembered (``bucket_sizes`` in the logging data)."""
+        reducer.owner = weakref.ref(self)
+        self._wrap_bucket_sizes = bucket_sizes(reducer.buckets)
+        return reducer
+
+    def _set_static_graph(self) -> None:
+        """torch's older way to ask for ``static_graph=True``: after construction, before the first forward."""
+        if self.static_graph:
+            warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
+            return
+        if self._started:
+            raise RuntimeError("_set_static_graph() after a forward: the static graph is learned in the first "
+                               "backward; pass static_graph=True to DistributedDataParallel instead")
+        old = self.reducer  # before any forward: a reducer built with static_graph=True is what the constructor makes
+        self.static_graph = self._reducer_args["static_graph"] = True
+        self.reducer = self._build_reducer(next((o for o in old.observers.observers if o is not self.auto_cap), None))
+        self.reducer.set_comm_hook(*(old.collective.registered() or (None, None)))
+        check_flags(True, self.find_unused_parameters)
+
+    def _get_ddp_logging_data(self) -> dict:
+        """torch's fields that miniddp knows, under torch's names (``logging_data``)."""
+        return logging_data(self)
+
+
+class TorchReducerSurface:
+    """The methods of torch's C++ reducer that frameworks call on ``ddp.reducer`` (mixed into the ``Reducer``)."""
+
+    owner = None  # a weak reference to the DistributedDataParallel whose reducer this is (set by its _adopt)
+
+    def __getattr__(self, name: str):
+        if name in torch_reducer_names():
+            raise UnimplementedTorchAttribute("reducer (torch._C._distributed_c10d.Reducer)", name, self,
+                                              "it has torch's prepare_for_backward, _rebuild_buckets and "
+                                              "_delay_all_reduce; for the rest, run this on torch's DDP")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self)
+
+    def _rebuild_buckets(self) -> bool:
+        """torch's: rebuild the buckets in the order gradients arrived, once, if that is due (every rank calls it:
+        it broadcasts); True if it did. The forward does this before the module runs, so a call after a forward
+        (Lightning's, before ``prepare_for_backward``) finds nothing due, as torch's does."""
+        if not self.rebuild_due or self.rebuilt:
+            return False
+        owner = self.owner() if self.owner is not None else None
+        if owner is not None:
+            owner.rebuild_buckets()  # the wrapper's: bucket_cap_mb="auto" chooses the cap first
+        else:
+            self.rebuild()
+        return True
+
+    def _delay_all_reduce(self) -> None:
+        """torch's: in the first backward with ``static_graph=True`` its reducer only counts hooks, and this (queued
+        by DDP's output sink, or called by Lightning after a manual backward) sends every bucket. Here every
+        backward's end-of-backward callback sends them: after ``loss.backward()`` nothing is left to send."""
+        if self.waiting_for_backward:
+            raise RuntimeError("reducer._delay_all_reduce() before the armed backward reached this rank's "
+                               "parameters: miniddp sends every bucket when that backward ends; call it after it")

@@ -22,10 +22,10 @@ atexit.register(shutil.rmtree, os.environ["HF_HOME"], True)
 # The slowest files first, the longest of them first: under `--dist loadfile` (pyproject.toml) each file
 # runs on one pytest-xdist worker, handed out in collection order, so a long file collected last
 # (two_hosts, transformers) ran alone at the end while the other worker sat idle.
-SLOW_FIRST = ("tests/test_exercise.py", "tests/test_notebooks.py", "tests/test_clean_exit.py", "tests/test_browser.py",
-              "tests/test_two_hosts.py", "tests/test_examples.py", "tests/test_transformers.py",
-              "tests/test_resume.py", "tests/test_launch.py", "tests/test_compile.py", "tests/test_adversary.py",
-              "tests/test_exercise_runner.py", "tests/test_demo.py")
+SLOW_FIRST = ("tests/test_exercise.py", "tests/test_notebooks.py", "tests/test_drop_in_frameworks.py",
+              "tests/test_clean_exit.py", "tests/test_browser.py", "tests/test_two_hosts.py", "tests/test_examples.py",
+              "tests/test_transformers.py", "tests/test_resume.py", "tests/test_launch.py", "tests/test_compile.py",
+              "tests/test_adversary.py", "tests/test_exercise_runner.py", "tests/test_demo.py")
 
 
 def pytest_xdist_auto_num_workers(config):

@@ -131,3 +131,10 @@ def test_miniddp_launch_drop_in_puts_the_runner_before_the_script_or_the_module(
     assert command[-6:] == ["-m", "miniddp.drop_in", "-m", "plain_ddp", "--out", "x"]
     command, _, _ = launch_command(["--num_processes", "2", SCRIPT.name, "--drop_in"])  # the script's own flag
     assert "miniddp.drop_in" not in command and command[-1] == "--drop_in"
+
+
+def test_a_cpu_config_reaches_accelerate_and_transformers_scripts_as_accelerate_launch_says_it():
+    from miniddp.launching.torchrun_args import script_env
+
+    assert script_env({"use_cpu": True})["ACCELERATE_USE_CPU"] == "true"
+    assert "ACCELERATE_USE_CPU" not in script_env({})  # GPUs, or Accelerate's own choice

@@ -99,8 +99,11 @@ def default_num_processes(use_cpu: bool = False) -> tuple[int, str]:
 def script_env(cfg: dict) -> dict:
     """The config's settings for any script, as accelerate's ``ACCELERATE_*`` variables are; and what
     accelerate sets for the workers itself (visible GPUs, threads, debug mode)."""
-    env = {"MINIDDP_MIXED_PRECISION": cfg.get("mixed_precision", "no"),
-           "MINIDDP_USE_CPU": "true" if cfg.get("use_cpu") else "false"}
+    # use_cpu reaches an Accelerate or Transformers script too (miniddp launch --drop_in), as accelerate launch
+    # tells it: without it, Accelerator() on a CPU-only machine under torchrun trains each rank alone
+    env = {"ACCELERATE_USE_CPU": "true"} if cfg.get("use_cpu") else {}
+    env |= {"MINIDDP_MIXED_PRECISION": cfg.get("mixed_precision", "no"),
+            "MINIDDP_USE_CPU": "true" if cfg.get("use_cpu") else "false"}
     if cfg.get("gpu_ids") is not None and str(cfg["gpu_ids"]).strip().lower() != "all":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(part.strip() for part in str(cfg["gpu_ids"]).split(","))
     if cfg.get("num_cpu_threads_per_process"):

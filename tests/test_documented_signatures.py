@@ -37,8 +37,6 @@ NOT_YET = {
     # the card shows torch 2.12's default; the constructor has torch 2.13's (None: True, deprecated for
     # forward_sync_buffers), as its whole signature must equal torch's (tests/test_torch_surface.py)
     ("miniddp.DistributedDataParallel", "broadcast_buffers"): "the card's default True is torch 2.12's; 2.13's is None",
-    # sharded data parallelism: miniddp/zero/ holds no optimizer yet
-    ("miniddp.ZeroRedundancyOptimizer", None): "ZeRO-1 is not built yet",
 }
 
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>```+|~~~+)(?P<info>[^\n]*)\n"

@@ -5,5 +5,10 @@ rank. ZeRO (Rajbhandari et al., arXiv 1910.02054) shards them across ranks inste
 optimizer state (torch's ``torch/distributed/optim/zero_redundancy_optimizer.py``), stage 2 the
 gradients too, reduce-scattered bucket by bucket through the engine's collective seam
 (``engine/bucket_collective.py``) instead of all-reduced. This layer may import the engine and
-everything below it; training imports it. It is empty until stage 1 lands.
+everything below it; training imports it. Stage 1 is here: ``zero_partition.py`` (who owns which parameter's
+state) and ``zero_optimizer.py`` (``ZeroRedundancyOptimizer``, torch's signature).
 """
+
+from .zero_optimizer import ZeroRedundancyOptimizer
+
+__all__ = ["ZeroRedundancyOptimizer"]

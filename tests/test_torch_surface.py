@@ -431,3 +431,28 @@ def test_an_unimplemented_torch_attribute_is_named_in_one_line(session):
     assert a["rebuild_calls"]["ours"] == a["rebuild_calls"]["torch"] == (True, False)
     # every attribute of a real torch DDP and its reducer is one miniddp knows torch has
     assert a["torch_instance_names"] == [] and a["torch_reducer_names"] == []
+
+
+def _torchs_join_on_each(rank, world_size):
+    from torch.distributed.algorithms.join import Join as TorchJoin
+
+    torch.set_num_threads(1)
+    seen = {}
+    for name, cls in (("torch", TorchDDP), ("ours", miniddp.DistributedDataParallel)):
+        ddp = cls(nn.Linear(3, 2))
+        try:
+            with TorchJoin([ddp]):
+                ddp(torch.randn(2, 3)).sum().backward()
+            seen[name] = "trained"
+        except TypeError as err:
+            seen[name] = ("TypeError", "\n" in str(err), hasattr(ddp, "_join_config"))
+        with ddp.join() if name == "ours" else TorchJoin([ddp]):  # each one's own Join still trains
+            ddp(torch.randn(2, 3)).sum().backward()
+    return seen
+
+
+def test_torchs_join_is_refused_at_once_rather_than_left_to_hang():
+    # torch's Join relies on the joinable's forward to notify it; miniddp's forward notifies miniddp's Join
+    # (Accelerate's join_uneven_inputs is torch's Join): refused when torch's Join is built, one line
+    seen = run_on_ranks(_torchs_join_on_each, 1, timeout=60)[0]
+    assert seen == {"torch": "trained", "ours": ("TypeError", False, False)}

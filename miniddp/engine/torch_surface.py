@@ -55,6 +55,7 @@ class UnimplementedTorchAttribute(AttributeError):
                          name=name, obj=obj)
 
 
+JOIN_HINT = "for uneven inputs use `with ddp.join():` or miniddp's Join([ddp, ...]) (miniddp.engine.join)"
 HINTS = {  # what to use instead, for the names a user is likeliest to reach for
     "logger": "its fields are in ddp._get_ddp_logging_data()",
     "bucket_bytes_cap": "ddp._get_ddp_logging_data()['bucket_cap_bytes'] has it",
@@ -132,6 +133,18 @@ class TorchDDPSurface:
             if name not in torch_ddp_names():
                 raise
         raise UnimplementedTorchAttribute("DistributedDataParallel", name, self, HINTS.get(name, ""))
+
+    # torch's Join (torch.distributed.algorithms.join; Accelerate's join_uneven_inputs) sets this on each joinable
+    # and relies on the joinable's forward to notify it: miniddp's forward notifies miniddp's Join only, so torch's
+    # joined ranks would wait for collectives no active rank issues. Refused when torch's Join sets it: no hang.
+    @property
+    def _join_config(self):
+        raise UnimplementedTorchAttribute("DistributedDataParallel", "_join_config", self, JOIN_HINT)
+
+    @_join_config.setter
+    def _join_config(self, value) -> None:
+        raise TypeError(f"torch's Join (torch.distributed.algorithms.join, e.g. Accelerate's join_uneven_inputs) "
+                        f"cannot drive miniddp's DistributedDataParallel: {JOIN_HINT}")
 
     @property
     def forward_sync_buffers(self) -> bool:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import miniddp
 from miniddp.diagnostics.timeline import plot_timeline
-from miniddp.diagnostics.trace import Tracer, save_chrome_trace, step_summary, to_chrome_trace
+from miniddp.diagnostics.trace import Tracer, save_chrome_trace, spans, step_summary, to_chrome_trace
 from miniddp.engine.observers import ReducerObserver
 from miniddp.launching.spawn import run_on_ranks
 from miniddp.testing import backend_params
@@ -78,6 +78,26 @@ def test_a_finish_recorded_after_its_backward_ended_is_dated_at_that_end():
     fut.set_result(torch.zeros(1))  # its callbacks run here, after the end
     t = {e["name"]: e["t"] for e in tracer.events}
     assert t["bucket finished"] == t["backward end"]
+
+
+def test_a_finish_whose_callback_ran_after_the_next_backward_launched_the_same_bucket_stays_in_its_own_step():
+    # the callback waits for the GIL on the comm thread; a small model's next step can launch bucket 0 first
+    tracer, first, second = Tracer(0), torch.futures.Future(), torch.futures.Future()
+    bucket = SimpleNamespace(index=0, nbytes=4, params=[0])
+    tracer.event("backward start")
+    tracer.bucket_launched(bucket, first)
+    tracer.event("backward end")
+    tracer.event("backward start")
+    tracer.bucket_launched(bucket, second)
+    first.set_result(torch.zeros(1))  # the first step's callback, late
+    second.set_result(torch.zeros(1))
+    tracer.event("backward end")
+    events = tracer.events
+    ends = [e["t"] for e in events if e["name"] == "backward end"]
+    finishes = sorted(e["t"] for e in events if e["name"] == "bucket finished")
+    assert finishes[0] == ends[0]  # dated at its own backward's end, not left in the next step
+    assert [len(spans([e for e in events if lo <= e["t"] <= hi and e["name"].startswith("bucket")]))
+            for lo, hi in ((0, ends[0]), (ends[0] + 1e-12, ends[1]))] == [1, 1]
 
 
 def _events(rank, *spec):

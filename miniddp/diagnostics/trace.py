@@ -46,6 +46,7 @@ class Tracer(ReducerObserver):
         self.cuda = device is not None and torch.device(device).type == "cuda"  # time with CUDA events
         self._pending: list = []  # CUDA: (event dict, torch.cuda.Event) until synchronize()
         self._cuda_origin = None  # CUDA: (host time, event recorded after a device sync)
+        self._launches = 0  # a serial per launch: a late finish pairs with its own launch, not a later one's
 
     def _now(self) -> float:
         return time.perf_counter() - self.origin
@@ -81,7 +82,8 @@ class Tracer(ReducerObserver):
         self.event("grad ready", param=name)
 
     def bucket_launched(self, bucket, future) -> None:
-        info = {"bucket": bucket.index, "bytes": bucket.nbytes, "params": len(bucket.params)}
+        info = {"bucket": bucket.index, "bytes": bucket.nbytes, "params": len(bucket.params), "launch": self._launches}
+        self._launches += 1
         self.event("bucket launched", **info)
 
         def finished(fut):
@@ -128,22 +130,28 @@ class Tracer(ReducerObserver):
     def clear(self) -> None:
         with self.lock:
             self._events, self._pending, self._cuda_origin, self._finishing = [], [], None, []
+            self._launches = 0
 
 
 def _date_late_finishes(events: list[dict]) -> None:
     """In recording order: a "bucket finished" that came after the "backward end" of the backward that
-    launched it gets that end's time (its callback ran late; the collective had completed by then)."""
-    launched, ended = set(), {}  # buckets launched in the current backward; bucket -> its backward's end
+    launched it gets that end's time (its callback ran late; the collective had completed by then). A callback
+    can wait for the GIL past the next step's launch of the same bucket: launches pair by serial, not index."""
+    launched, ended = set(), {}  # launches of the current backward; launch -> its backward's end
     for e in events:
         if e["name"] == "backward start":
             launched = set()
         elif e["name"] == "bucket launched":
-            launched.add(e["bucket"])
-            ended.pop(e["bucket"], None)
+            launched.add(_launch(e))
         elif e["name"] == "backward end":
             ended.update((b, e["t"]) for b in launched)
-        elif e["name"] == "bucket finished" and e["bucket"] in ended:
-            e["t"] = min(e["t"], ended.pop(e["bucket"]))
+        elif e["name"] == "bucket finished" and _launch(e) in ended:
+            e["t"] = min(e["t"], ended.pop(_launch(e)))
+
+
+def _launch(e: dict):
+    """Which launch an event of a bucket belongs to (hand-built events without a serial: the bucket's index)."""
+    return e.get("launch", ("bucket", e["bucket"]))
 
 
 def spans(events: list[dict]) -> list[tuple[str, float, float, dict]]:
@@ -152,9 +160,9 @@ def spans(events: list[dict]) -> list[tuple[str, float, float, dict]]:
     for e in sorted(events, key=lambda e: e["t"]):
         name = e["name"]
         if name == "bucket launched":
-            open_[("bucket", e["bucket"])] = e["t"]
-        elif name == "bucket finished" and ("bucket", e["bucket"]) in open_:
-            spans.append((f"all-reduce bucket {e['bucket']}", open_.pop(("bucket", e["bucket"])), e["t"], e))
+            open_[_launch(e)] = e["t"]
+        elif name == "bucket finished" and _launch(e) in open_:
+            spans.append((f"all-reduce bucket {e['bucket']}", open_.pop(_launch(e)), e["t"], e))
         elif name.endswith(" start"):
             open_[name[:-6]] = e["t"]
         elif name.endswith(" end") and name[:-4] in open_:

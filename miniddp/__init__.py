@@ -21,6 +21,7 @@ from .engine.static_graph import StaticGraphChangedError
 from .costmodel import auto_bucket as _auto_bucket  # noqa: F401  bucket_cap_mb="auto" attaches itself to the engine
 from . import comm_hooks  # miniddp.comm_hooks.allreduce_hook, ..., PowerSGDState, powerSGD_hook
 from .engine.no_sync import accumulation_windows, no_sync, should_sync
+from .zero.zero_ddp_optimizer import ZeroOptimizer
 from .zero.zero_optimizer import ZeroRedundancyOptimizer
 from .by_hand.sharding import ShardSampler
 from .by_hand.averaging import average_gradients, ring_all_reduce
@@ -54,6 +55,7 @@ __all__ = [
     "TrainerState",
     "TrainingConfig",
     "WrappedAgainError",
+    "ZeroOptimizer",
     "ZeroRedundancyOptimizer",
     "accumulation_windows",
     "as_timedelta",

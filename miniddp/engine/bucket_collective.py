@@ -13,10 +13,10 @@ What
     - ``CommHook``: a registered hook gets the undivided bucket and returns a future of its mean (torch's
       contract), written back whole.
 
-    ZeRO-2 is the next: a reduce-scatter of each bucket, divided on the way in, after which each rank
-    ``land``s only its own shard of the mean and no full-size gradient outlives the backward. It is a third
-    class, not a branch. Join's shadow backward is a collective too (``ddp_join.py``: the active ranks'
-    collective on zeros, landing nowhere).
+    ZeRO-2 is the third (``zero/gradient_shards.py``): a reduce-scatter of each bucket, divided on the way in,
+    after which each rank ``land``s only its own shard of the mean; ``begin`` gives its buckets their memory
+    back for the backward, and ``claimed_by`` keeps a comm hook from replacing it. Join's shadow backward is a
+    collective too (``ddp_join.py``: the active ranks' collective on zeros, landing nowhere).
 
 Why
     The reducer's order (buckets complete, go out in bucket order, are waited for at the end of backward) is
@@ -45,6 +45,10 @@ class BucketCollective:
 
     divisor = 1  # each gradient is divided by this on its way into the bucket
     call_order = CallOrder(None)  # the next bucket may go out before this one's future completes
+    claimed_by: str | None = None  # who chose it, if not DDP (ZeRO-2): a comm hook may not replace it
+
+    def begin(self, buckets) -> None:
+        """A synced backward is armed and its gradients will be put into ``buckets``."""
 
     def issue(self, bucket, flat: torch.Tensor, is_last: bool, group) -> torch.futures.Future:
         """Start the collective of ``bucket`` on ``flat`` (its buffer, or zeros of its layout); return a future."""

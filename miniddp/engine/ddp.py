@@ -183,6 +183,9 @@ class DistributedDataParallel(TorchDDPSurface, torch.nn.Module, Joinable):
         """torch's contract: ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]`` is called with each
         ready bucket (a ``comm_hooks.GradBucket``, undivided) and returns a future of the averaged
         ``bucket.buffer()``, which is written back to ``.grad``. Once per model, before the first forward."""
+        if self.reducer.collective.claimed_by is not None:  # ZeRO-2's reduce-scatter is the bucket's collective
+            raise RuntimeError(f"register_comm_hook: {self.reducer.collective.claimed_by} decides each bucket's "
+                               "collective (a reduce-scatter); a comm hook cannot replace it")
         check_registration(state, hook, registered=self.reducer.collective.registered() is not None,
                            started=self._started)
         self.reducer.set_comm_hook(state, hook)

@@ -111,8 +111,9 @@ class Reducer(TorchReducerSurface):
                              expected: int | None = None) -> None:
         """Called at the end of a synced forward: arm the hooks for the coming backward (join: its active ranks'
         ``collective`` and their number ``expected``)."""
+        (collective := collective or self.collective).begin(self.buckets)  # ZeRO-2: the buckets get memory back
         self.backward = Backward(
-            collective=collective or self.collective, expected=expected or self.world_size,
+            collective=collective, expected=expected or self.world_size,
             local_unused=self.readiness.begin(outputs),  # find_unused: the graph walk's; static: the first backward's
             pending=[len(b.params) for b in self.buckets], counts=UsedCounts(len(self.params)),
             ready=[False] * len(self.params))

@@ -1,0 +1,205 @@
+"""ZeRO stages 1 and 2 through DDP's engine: ``ZeroOptimizer(ddp, optimizer_class, stage, **defaults)``.
+
+What
+    It attaches to a ``DistributedDataParallel`` before its first forward: each bucket is reduce-scattered instead
+    of all-reduced (``gradient_shards.ReduceScatterMean``), and this rank's optimizer (``self.optim``, an
+    ``optimizer_class``) steps only its ``Piece``s of the parameters, with the shard of the averaged gradient as
+    their ``.grad``. ``step()`` then all-gathers each bucket's updated parameters, bucket by bucket. Its
+    ``param_groups`` are the whole model's (schedulers change them); ``state_dict()`` gathers the full state in
+    ``torch.optim``'s format, and ``load_state_dict`` cuts it again, so a checkpoint moves between world sizes.
+
+    - stage 1: the full gradient exists during backward (accumulation under ``no_sync`` is DDP's, full-size) and
+      DDP's buckets keep their memory; only the optimizer state is sharded.
+    - stage 2: each ``.grad`` is dropped as its bucket goes out, the buckets give their memory back after the
+      backward, and only the gradient's shard remains. Every backward should sync: ``no_sync`` still works (and is
+      exact), but it keeps full-size gradients between micro-batches, the memory stage 2 exists to save.
+
+Why
+    DDP holds the whole model, gradient and optimizer state on every rank. Sharding the state and the gradient
+    costs no extra communication: a reduce-scatter and an all-gather move the bytes of one all-reduce (the
+    Ultra-Scale Playbook, "ZeRO-1", "ZeRO-2"; Rajbhandari et al., arXiv 1910.02054).
+
+How torch and DeepSpeed differ
+    torch's ``ZeroRedundancyOptimizer`` (``zero_optimizer.py`` here) keeps DDP's all-reduce and broadcasts each
+    parameter from its owner: ZeRO-1 with an all-reduce's bytes *plus* a broadcast's. DeepSpeed's
+    ``DeepSpeedZeroOptimizer`` (``stage_1_and_2.py``) is this class's model: flat partitions, a reduce-scatter,
+    an all-gather, clipping on the shards; it refuses ``no_sync`` under stage 2. Only elementwise optimizers (SGD,
+    Adam, AdamW, ...) give the same step on pieces as on whole tensors; one that reads a whole tensor (LAMB's
+    trust ratio, Adafactor's factored moments) does not, as in DeepSpeed's flat partitions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..comm_hooks.byte_count import all_gather
+from ..engine.join import Joinable, JoinHook, Round
+from .gradient_shards import ReduceScatterMean, Shards
+
+
+class ZeroJoinHook(JoinHook):
+    """A joined rank's share of an iteration: the step's all-gathers, when the active ranks' backward synced."""
+
+    def __init__(self, zero: ZeroOptimizer):
+        self.zero = zero
+
+    def main_hook(self, plan: Round) -> None:
+        if plan.will_sync:
+            self.zero.step()
+
+
+class ZeroOptimizer(torch.optim.Optimizer, Joinable):
+    """ZeRO stage 1 or 2 of ``ddp``'s parameters with a local ``optimizer_class``; see the module docstring."""
+
+    def __init__(self, ddp, optimizer_class: type[torch.optim.Optimizer], stage: int = 2, params=None, **defaults):
+        if stage not in (1, 2):
+            raise ValueError(f"ZeroOptimizer(stage={stage!r}): stage is 1 (optimizer state) or 2 (and gradients); "
+                             "stage 0 is plain DDP with optimizer_class, stage 3 is not implemented in miniddp")
+        reducer = ddp.reducer
+        _check_attachable(ddp)
+        super().__init__(ddp.parameters() if params is None else params, defaults)
+        self.stage, self.ddp = stage, ddp
+        self.world_size, self.rank = reducer.world_size, dist.get_rank(reducer.group)
+        reducer.rebuilt, reducer.rebuild_due = True, False  # the shards are cut from these buckets: keep them
+        self.shards = Shards(reducer.buckets, self.rank, self.world_size)
+        reducer.collective = ReduceScatterMean(self.shards, self.world_size, frees_gradients=stage == 2)
+        self.optim = optimizer_class(self._local_groups(), **defaults)  # steps this rank's pieces only
+
+    def _local_groups(self) -> list[dict]:
+        """Each param group's options with this rank's pieces of its parameters (maybe none)."""
+        group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
+        mine = [[] for _ in self.param_groups]
+        for pieces in self.shards.pieces:
+            for piece in pieces:
+                if id(piece.param) in group_of:  # a parameter no group holds is not stepped (as torch.optim)
+                    mine[group_of[id(piece.param)]].append(piece.tensor)
+        return [{**{k: v for k, v in group.items() if k != "params"}, "params": ps}
+                for group, ps in zip(self.param_groups, mine)]
+
+    # --8<-- [start:step]
+    def step(self, closure=None):
+        """Step this rank's pieces, then all-gather each bucket's parameters from the ranks' chunks."""
+        if self.join_context is not None and self.join_context.joinables[0] is self:
+            self.join_context.notify(will_sync=True, rebuild=False)
+        for group, local in zip(self.param_groups, self.optim.param_groups):
+            local.update({k: v for k, v in group.items() if k != "params"})  # lr as the scheduler set it
+        loss = self.optim.step(closure)
+        self._gather_parameters()
+        return loss
+
+    def _gather_parameters(self) -> None:
+        shards, group = self.shards, self.ddp.reducer.group
+        pending = []
+        for b, bucket in enumerate(shards.buckets):  # every all-gather goes out, then each lands in bucket order
+            mine = bucket.buffer.new_zeros(shards.chunk[b])
+            for piece in shards.pieces[b]:
+                mine[piece.offset : piece.offset + piece.tensor.numel()] = piece.tensor
+            gathered = bucket.buffer.new_empty(shards.chunk[b] * self.world_size)
+            pending.append((bucket, gathered, all_gather(gathered, mine, group)))
+        for bucket, gathered, work in pending:
+            work.wait()
+            with torch.no_grad():
+                for param, value in zip(bucket.params, bucket.split(gathered[: bucket.buffer.numel()])):
+                    param.copy_(value)
+    # --8<-- [end:step]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The shards' gradients and every parameter's ``.grad`` (a ``no_sync`` backward leaves full ones)."""
+        self.shards.zero_grad()
+        super().zero_grad(set_to_none=True)
+
+    # --8<-- [start:clip]
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` of the whole averaged gradient, from the shards: each rank's sum of
+        squares, summed over ranks (one all-reduce), then each shard scaled. Returns the total norm. (torch's
+        function on ``model.parameters()`` sees no ``.grad`` here: call this one.)"""
+        grads = [p.grad for p in self._pieces() if p.grad is not None]
+        device = self.shards.buckets[0].buffer.device
+        squares = torch.stack([g.double().square().sum() for g in grads]).sum() if grads else \
+            torch.zeros((), dtype=torch.float64, device=device)
+        dist.all_reduce(squares, group=self.ddp.reducer.group)
+        norm = squares.sqrt()
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coefficient.to(g.dtype))
+        return norm.float()
+    # --8<-- [end:clip]
+
+    def _pieces(self) -> list[torch.Tensor]:
+        return [p for group in self.optim.param_groups for p in group["params"]]
+
+    # --8<-- [start:state_dict]
+    def state_dict(self) -> dict:
+        """The whole optimizer's state in ``torch.optim``'s format (global parameter indices), on every rank: a
+        collective (each rank sends its pieces' state once)."""
+        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        local = [(index[id(piece.param)], piece.start, _to_cpu(self.optim.state[piece.tensor]))
+                 for pieces in self.shards.pieces for piece in pieces
+                 if id(piece.param) in index and piece.tensor in self.optim.state]
+        everyone = [None] * self.world_size
+        dist.all_gather_object(everyone, local, group=self.ddp.reducer.group)
+        parts: dict[int, list] = {}
+        for i, start, state in sorted((x for rank in everyone for x in rank), key=lambda x: x[:2]):
+            parts.setdefault(i, []).append(state)
+        params = [p for g in self.param_groups for p in g["params"]]
+        state = {i: {k: (torch.cat([s[k] for s in pieces]).view_as(params[i]) if _elementwise(v) else v)
+                     for k, v in pieces[0].items()} for i, pieces in parts.items()}
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in g["params"]]}
+                  for g in self.param_groups]
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Keep each of this rank's pieces' slice of the full state (any world size saved it) and the options."""
+        if len(state_dict["param_groups"]) != len(self.param_groups):
+            raise ValueError(f"state_dict has {len(state_dict['param_groups'])} param groups, this optimizer "
+                             f"{len(self.param_groups)}")
+        for saved, group in zip(state_dict["param_groups"], self.param_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        self.optim.state.clear()
+        for pieces in self.shards.pieces:
+            for piece in pieces:
+                saved = state_dict["state"].get(index.get(id(piece.param)))
+                if saved is not None:
+                    self.optim.state[piece.tensor] = {
+                        k: (v.detach().reshape(-1)[piece.start : piece.stop].clone().to(piece.tensor.device)
+                            if _elementwise(v) else v.detach().clone() if torch.is_tensor(v) else v)
+                        for k, v in saved.items()}
+    # --8<-- [end:state_dict]
+
+    def join_hook(self, **kwargs) -> ZeroJoinHook:
+        return ZeroJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.shards.buckets[0].buffer.device
+
+    @property
+    def join_process_group(self):
+        return self.ddp.reducer.group
+
+
+def _check_attachable(ddp) -> None:
+    """What ZeRO through the engine cannot take, refused in one line before anything changes."""
+    reducer = ddp.reducer
+    if ddp._started:
+        raise RuntimeError("ZeroOptimizer must attach before DDP's first forward (the shards are cut from the "
+                           "buckets the first backward fills)")
+    if reducer.collective.registered() is not None or reducer.collective.claimed_by is not None:
+        raise RuntimeError("ZeroOptimizer: this DDP already has a comm hook or a ZeroOptimizer; the bucket's "
+                           "collective is ZeRO's reduce-scatter, so wrap the model again without the hook")
+    if reducer.as_view:
+        raise ValueError("ZeroOptimizer: gradient_as_bucket_view=True makes .grad live in the bucket, which ZeRO "
+                         "frees; wrap with gradient_as_bucket_view=False")
+    if ddp.auto_cap is not None:
+        raise ValueError("ZeroOptimizer: bucket_cap_mb='auto' rebuilds the buckets after the first step; ZeRO "
+                         "keeps the first ones: give a number of MiB")
+
+
+def _elementwise(value) -> bool:
+    return torch.is_tensor(value) and value.dim() > 0  # Adam's moments; its 0-d "step" is one number per piece
+
+
+def _to_cpu(state: dict) -> dict:
+    return {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in state.items()}

@@ -62,6 +62,9 @@ class BucketCollective:
         """Where the result goes: here, the mean written back whole into each parameter's ``.grad``."""
         bucket.write_back(result, counts, as_view)
 
+    def land_joined(self, bucket, result: torch.Tensor, counts: list[int]) -> None:
+        """On a joined rank (its zeros went in): nothing lands, unless this rank owns part of the result (ZeRO)."""
+
     def dividing_by(self, n: int) -> BucketCollective:
         """This collective for a backward whose mean is over ``n`` ranks (join: the active ones)."""
         return self

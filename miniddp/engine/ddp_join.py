@@ -45,7 +45,8 @@ class ZerosForEachBucket(BucketCollective):
         return self.inner.result(bucket, value)
 
     def land(self, bucket, result, counts, as_view) -> None:
-        """Nothing lands: the joined rank's ``.grad`` stays as it was (torch: the same)."""
+        """The joined rank's ``.grad`` stays as it was (torch: the same); a shard it owns still lands (ZeRO-2)."""
+        self.inner.land_joined(bucket, result, counts)
 # --8<-- [end:zeros]
 
 

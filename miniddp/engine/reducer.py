@@ -44,9 +44,8 @@ from .unused import UsedCounts, gradient_twice_message
 
 def readiness_for(reducer, find_unused_parameters: bool, static_graph: bool) -> Readiness:
     """The readiness policy DDP's flags choose, once (``static_graph`` wins: it finds unused parameters itself)."""
-    if static_graph:
-        return StaticGraph(reducer.names, dist.get_rank(reducer.group), reducer.world_size)
-    return (FindUnused if find_unused_parameters else Strict)(reducer.params, reducer.names)
+    return StaticGraph(reducer.names, dist.get_rank(reducer.group), reducer.world_size) if static_graph else \
+        (FindUnused if find_unused_parameters else Strict)(reducer.params, reducer.names)
 
 
 @dataclass
@@ -234,11 +233,12 @@ class Reducer(TorchReducerSurface):
 
     def backward_without_gradients(self, collective: BucketCollective) -> None:
         """A backward this rank sits out: every bucket issued through ``collective`` in bucket order, the used
-        counts all zero, all waited for; nothing lands here (join's shadow: ``ddp_join.py``)."""
+        counts all zero, all waited for, each result landed as ``collective`` says (join's shadow: ``ddp_join.py``)."""
         self.backwards += 1  # counted as the active ranks count theirs: a stalled collective's name agrees
-        self._finish(Backward(collective=collective, expected=self.world_size, local_unused=[],
-                              pending=[0] * len(self.buckets), counts=UsedCounts(len(self.params), used=0),
-                              ready=[True] * len(self.params)))  # nothing to wait for: every bucket is complete
+        results, counts = self._finish(Backward(collective, self.world_size, [], [0] * len(self.buckets),  # complete
+                                                UsedCounts(len(self.params), used=0), [True] * len(self.params)))
+        for bucket, result in zip(self.buckets, results):
+            collective.land(bucket, result, counts, self.as_view)
 
     # --8<-- [start:rebuild]
     @issued_as("bucket order broadcast")

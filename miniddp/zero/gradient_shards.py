@@ -124,6 +124,9 @@ class ReduceScatterMean(BucketCollective):
         if self.frees_gradients:
             bucket.buffer.untyped_storage().resize_(0)
 
+    def land_joined(self, bucket, result, counts) -> None:  # a joined rank still owns its chunk: it steps it
+        self.shards.land(bucket.index, result, counts)
+
     def dividing_by(self, n: int) -> ReduceScatterMean:
         return ReduceScatterMean(self.shards, n, self.frees_gradients)
 # --8<-- [end:collective]

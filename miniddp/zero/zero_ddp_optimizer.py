@@ -45,8 +45,9 @@ class ZeroJoinHook(JoinHook):
         self.zero = zero
 
     def main_hook(self, plan: Round) -> None:
-        if plan.will_sync:
+        if plan.will_sync:  # its shard got the active ranks' mean (gradient_shards.land_joined): step, all-gather
             self.zero.step()
+            self.zero.zero_grad()  # the active ranks zero theirs in their loop; a joined rank has none
 
 
 class ZeroOptimizer(torch.optim.Optimizer, Joinable):

@@ -1,0 +1,298 @@
+"""ZeRO stages 1 and 2 through DDP's engine (miniddp.ZeroOptimizer) against DDP with the plain optimizer and
+against one process on the whole global batch.
+
+Each rank builds the model from its own seed (the wrap makes them rank 0's), then trains side by side: DDP + the
+plain optimizer, DDP + ZeroOptimizer (stage 1 or 2), and, locally on every rank, one process on the global batch.
+The model has a frozen layer, tied weights (embedding and head), two parameter groups and a float64 part (its own
+bucket). DDP and ZeRO see the same averaged gradient, one through an all-reduce and one through a reduce-scatter,
+so they agree to float32 rounding (1e-6); one process, whose sums run in another order, to 1e-5. A negative control
+(the reduce-scatter's sum not divided by N) proves the comparison fails. One multi-rank session per world size
+runs every check, since starting processes is most of the cost.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import miniddp
+from miniddp.comm_hooks import count_bytes
+from miniddp.comm_hooks.default_hooks import allreduce_hook
+from miniddp.engine.join import Join
+from miniddp.launching.spawn import run_on_ranks
+
+STEPS, MICRO, BATCH = 3, 2, 4
+TOL_DDP, TOL_ONE = 1e-6, 1e-5
+CAP_MB = 0.0005  # a few buckets for this model, so chunks cut across parameters
+
+
+class Net(nn.Module):
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(10, 8)
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.body = nn.Linear(8, 7)
+        self.head = nn.Linear(7, 10, bias=False)
+        self.out = nn.Linear(8, 10, bias=False)
+        self.out.weight = self.emb.weight  # tied: one parameter, two uses
+        self.side = nn.Linear(7, 3).double()  # another dtype: its own bucket
+
+    def forward(self, tokens):
+        h = self.frozen(self.emb(tokens))
+        b = torch.tanh(self.body(h))
+        return (self.head(b).square().mean() + self.out(h).square().mean()
+                + self.side(b.double()).square().mean().float())
+
+
+def _batch(step, micro, rank):
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    return torch.randint(0, 10, (BATCH, 5), generator=g)
+
+
+def _optimizer(kind, groups, wrap=None):
+    cls, kw = (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}) if kind == "adamw" else \
+        (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9})
+    return cls(groups, **kw) if wrap is None else wrap(cls, groups, kw)
+
+
+def _groups(model):
+    first = [model.emb.weight, model.body.weight, model.body.bias]
+    rest = [p for p in model.parameters() if all(p is not q for q in first)]  # the frozen ones too
+    return [{"params": first}, {"params": rest, "lr": 0.02, "weight_decay": 0.0}]
+
+
+def _max_diff(a, b):
+    return max((x.detach().double() - y.detach().double()).abs().max().item() for x, y in zip(a, b))
+
+
+def _train(rank, world, stage, kind, *, no_sync_first, clip, broken=False):
+    """(max |ZeRO - DDP|, max |ZeRO - one process|) after STEPS steps of MICRO micro-batches each."""
+    ddp_model, zero_model, one = Net(rank), Net(rank), Net(0)
+    ddp = miniddp.DistributedDataParallel(ddp_model, bucket_cap_mb=CAP_MB)
+    zddp = miniddp.DistributedDataParallel(zero_model, bucket_cap_mb=CAP_MB)
+    plain, single = _optimizer(kind, _groups(ddp_model)), _optimizer(kind, _groups(one))
+    zero = _optimizer(kind, _groups(zero_model),
+                      lambda cls, groups, kw: miniddp.ZeroOptimizer(zddp, cls, stage=stage, params=groups, **kw))
+    if broken:
+        zddp.reducer.collective.divisor = 1  # the negative control: each shard is the sum, not the mean
+    for step in range(STEPS):
+        for micro in range(MICRO):
+            tokens = _batch(step, micro, rank)
+            for model in (ddp, zddp):
+                quiet = model.no_sync() if no_sync_first and micro < MICRO - 1 else _nothing()
+                with quiet:
+                    (model(tokens) / MICRO).backward()
+            everyone = torch.cat([_batch(step, micro, r) for r in range(world)])
+            (one(everyone) / MICRO).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), 0.05)
+            torch.nn.utils.clip_grad_norm_(one.parameters(), 0.05)
+            zero.clip_grad_norm_(0.05)
+        for opt in (plain, zero, single):
+            opt.step()
+            opt.zero_grad()
+    return _max_diff(zero_model.parameters(), ddp_model.parameters()), \
+        _max_diff(zero_model.parameters(), one.parameters())
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _session(rank, world, tmp):
+    torch.set_num_threads(1)
+    out = {"parity": {}}
+    for stage in (1, 2):
+        for kind in ("adamw", "sgd"):
+            for no_sync_first in (False, True):
+                out["parity"][stage, kind, no_sync_first] = _train(rank, world, stage, kind,
+                                                                   no_sync_first=no_sync_first, clip=True)
+    out["broken"] = _train(rank, world, 2, "sgd", no_sync_first=False, clip=False, broken=True)  # Adam: scale-free
+    out["memory"] = {stage: _memory(rank, world, stage) for stage in (1, 2)}
+    out["bytes"] = _bytes(world)
+    out["state_dict"] = _state_dict(rank, world, tmp)
+    if world == 2:
+        out["refused"] = _refusals()
+        out["join"] = {stage: _join(rank, stage) for stage in (1, 2)}
+    return out
+
+
+def _memory(rank, world, stage):
+    """After a step: the optimizer state's elements here; stage 2: no .grad, no bucket memory, only the shard."""
+    model = Net(rank)
+    ddp = miniddp.DistributedDataParallel(model, bucket_cap_mb=CAP_MB)
+    zero = miniddp.ZeroOptimizer(ddp, torch.optim.AdamW, stage=stage, lr=0.01)
+    ddp(_batch(0, 0, rank)).backward()
+    after_backward = {"grads": [p.grad is None for p in model.parameters()],
+                      "bucket_bytes": [b.buffer.untyped_storage().nbytes() for b in ddp.reducer.buckets],
+                      "shard": [g.numel() for g in zero.shards.grad], "chunks": list(zero.shards.chunk)}
+    zero.step()
+    state = sum(v.numel() for s in zero.optim.state.values() for v in s.values() if v.dim() > 0)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {**after_backward, "adam_elements": state, "trained": trained,
+            "bucket_numel": [b.buffer.numel() for b in ddp.reducer.buckets]}
+
+
+def _bytes(world):
+    """Payload handed to each collective over one step, DDP's and ZeRO's."""
+    sent = {}
+    for name in ("ddp", "stage1", "stage2"):
+        model = Net(0)
+        ddp = miniddp.DistributedDataParallel(model, bucket_cap_mb=CAP_MB)
+        opt = torch.optim.AdamW(model.parameters()) if name == "ddp" else \
+            miniddp.ZeroOptimizer(ddp, torch.optim.AdamW, stage=int(name[-1]))
+        with count_bytes() as counted:
+            ddp(_batch(0, 0, dist.get_rank())).backward()
+            opt.step()
+        sent[name] = dict(counted.by_op, wire=counted.wire_bytes(world),
+                          buckets=[b.nbytes for b in ddp.reducer.buckets],
+                          element=[b.buffer.element_size() for b in ddp.reducer.buckets])
+    return sent
+
+
+def _state_dict(rank, world, tmp):
+    """The full state equals the plain optimizer's; cut again for other buckets (and, at 3 ranks, loaded from the
+    2-rank run's file), it comes back bitwise."""
+    ddp_model, zero_model = Net(rank), Net(rank)
+    ddp = miniddp.DistributedDataParallel(ddp_model, bucket_cap_mb=CAP_MB)
+    zddp = miniddp.DistributedDataParallel(zero_model, bucket_cap_mb=CAP_MB)
+    plain = torch.optim.AdamW(_groups(ddp_model), lr=0.01)
+    zero = miniddp.ZeroOptimizer(zddp, torch.optim.AdamW, stage=2, params=_groups(zero_model), lr=0.01)
+    for step in range(2):
+        for model, opt in ((ddp, plain), (zddp, zero)):
+            model(_batch(step, 0, rank)).backward()
+            opt.step()
+            opt.zero_grad()
+    mine, theirs = zero.state_dict(), plain.state_dict()
+    same_keys = sorted(mine["state"]) == sorted(theirs["state"])
+    diff = max((mine["state"][i][k].double() - v.double()).abs().max().item()
+               for i in theirs["state"] for k, v in theirs["state"][i].items())
+    if world == 2 and rank == 0:
+        torch.save(mine, f"{tmp}/zero_state.pt")
+    source = torch.load(f"{tmp}/zero_state.pt") if world == 3 else mine
+    other = miniddp.DistributedDataParallel(Net(rank), bucket_cap_mb=CAP_MB * 3)  # another cut
+    recut = miniddp.ZeroOptimizer(other, torch.optim.AdamW, stage=1, params=_groups(other.module), lr=0.01)
+    recut.load_state_dict(source)
+    back = recut.state_dict()
+    bitwise = all(torch.equal(back["state"][i][k], v) for i in source["state"] for k, v in source["state"][i].items())
+    return {"same_keys": same_keys, "diff": diff, "recut_bitwise": bitwise and sorted(back["state"]) == sorted(
+        source["state"]), "groups": back["param_groups"] == source["param_groups"]}
+
+
+def _refusals():
+    def error(fn):
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - the type is what the test checks
+            return type(e).__name__
+        return None
+
+    def attached(**kw):
+        ddp = miniddp.DistributedDataParallel(Net(0), bucket_cap_mb=CAP_MB, **kw)
+        return ddp, (lambda: miniddp.ZeroOptimizer(ddp, torch.optim.AdamW, stage=2))
+
+    ddp, attach = attached()
+    attach()
+    hook = error(lambda: ddp.register_comm_hook(None, allreduce_hook))
+    ddp_started, attach_late = attached()
+    ddp_started(_batch(0, 0, 0)).backward()
+    return {"comm_hook": hook, "after_forward": error(attach_late),
+            "stage3": error(lambda: miniddp.ZeroOptimizer(attached()[0], torch.optim.AdamW, stage=3)),
+            "bucket_view": error(attached(gradient_as_bucket_view=True)[1]),
+            "auto_cap": error(lambda: miniddp.ZeroOptimizer(
+                miniddp.DistributedDataParallel(Net(0), bucket_cap_mb="auto"), torch.optim.AdamW))}
+
+
+def _join(rank, stage):
+    """Rank 1 runs out a step early: Join([ddp, zero]) trains what DDP + AdamW under Join([ddp]) trains."""
+    ddp_model, zero_model = Net(rank), Net(rank)
+    ddp = miniddp.DistributedDataParallel(ddp_model, bucket_cap_mb=CAP_MB)
+    zddp = miniddp.DistributedDataParallel(zero_model, bucket_cap_mb=CAP_MB)
+    plain = torch.optim.AdamW(ddp_model.parameters(), lr=0.01)
+    zero = miniddp.ZeroOptimizer(zddp, torch.optim.AdamW, stage=stage, lr=0.01)
+    steps = STEPS - rank
+    for model, opt, joinables in ((ddp, plain, [ddp]), (zddp, zero, [zddp, zero])):
+        with Join(joinables):
+            for step in range(steps):
+                model(_batch(step, 0, rank)).backward()
+                opt.step()
+                opt.zero_grad()
+    return _max_diff(zero_model.parameters(), ddp_model.parameters())
+
+
+@pytest.fixture(scope="module")
+def sessions(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("zero")
+    return {world: run_on_ranks(_session, world, args=(str(tmp),), timeout=300) for world in (2, 3, 4)}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_stages_1_and_2_train_what_ddp_and_one_process_train(sessions, world):
+    for rank, result in enumerate(sessions[world]):
+        for (stage, kind, no_sync_first), (to_ddp, to_one) in result["parity"].items():
+            case = f"rank {rank}, stage {stage}, {kind}, no_sync first micro-batch {no_sync_first}"
+            assert to_ddp <= TOL_DDP, case
+            assert to_one <= TOL_ONE, case
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_the_comparison_fails_when_the_shard_is_the_sum_not_the_mean(sessions, world):
+    to_ddp, to_one = sessions[world][0]["broken"]
+    assert to_ddp > 100 * TOL_ONE and to_one > 100 * TOL_ONE
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_each_rank_keeps_about_one_nth_of_the_optimizer_state_and_stage_2_only_the_gradient_shard(sessions, world):
+    for stage in (1, 2):
+        ranks = [result["memory"][stage] for result in sessions[world]]
+        trained = ranks[0]["trained"]
+        assert sum(r["adam_elements"] for r in ranks) == 2 * trained  # two moments, each element once
+        for r in ranks:
+            assert r["adam_elements"] <= 2 * sum(r["chunks"])  # at most this rank's chunk of every bucket
+            assert r["shard"] == r["chunks"] and sum(r["chunks"]) < trained / world + len(r["chunks"])
+            assert all(r["grads"])  # no full-size .grad after the synced backward
+            if stage == 2:  # the buckets gave their memory back
+                assert r["bucket_bytes"] == [0] * len(r["bucket_numel"])
+            else:  # stage 1 keeps DDP's buckets
+                assert all(n > 0 for n in r["bucket_bytes"])
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_stages_1_and_2_send_the_bytes_of_one_all_reduce(sessions, world):
+    sent = sessions[world][0]["bytes"]
+    ddp = sent["ddp"]
+    counts = ddp["all_reduce (used counts)"]  # who had each gradient: DDP's and ZeRO's alike
+    assert ddp["all_reduce"] == sum(ddp["buckets"])
+    for stage in ("stage1", "stage2"):
+        zero = sent[stage]
+        padded = sum(-(-n // e // world) * world * e for n, e in zip(zero["buckets"], zero["element"]))
+        assert zero["reduce_scatter"] == padded and zero["all_gather"] == padded // world
+        assert "all_reduce" not in zero and zero["all_reduce (used counts)"] == counts  # no gradient all-reduce
+        gradients_and_parameters = zero["wire"] - 2 * (world - 1) / world * counts
+        assert gradients_and_parameters == pytest.approx(2 * (world - 1) / world * padded)
+        assert padded - sum(zero["buckets"]) < world * 8 * len(zero["buckets"])  # padding: under N elements a bucket
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_state_dict_is_the_plain_optimizers_and_reloads_under_any_cut_and_world_size(sessions, world):
+    for result in sessions[world]:
+        s = result["state_dict"]
+        assert s["same_keys"] and s["diff"] <= TOL_DDP
+        assert s["recut_bitwise"] and s["groups"]
+
+
+def test_what_zero_through_the_engine_refuses(sessions):
+    refused = sessions[2][0]["refused"]
+    assert refused == {"comm_hook": "RuntimeError", "after_forward": "RuntimeError", "stage3": "ValueError",
+                       "bucket_view": "ValueError", "auto_cap": "ValueError"}
+
+
+def test_uneven_inputs_under_join_train_what_ddp_and_adamw_train(sessions):
+    for result in sessions[2]:
+        assert result["join"][1] <= TOL_DDP and result["join"][2] <= TOL_DDP

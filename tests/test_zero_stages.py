@@ -18,6 +18,7 @@ import torch.nn as nn
 import miniddp
 from miniddp.comm_hooks import count_bytes
 from miniddp.comm_hooks.default_hooks import allreduce_hook
+from miniddp.diagnostics.trace import Tracer
 from miniddp.engine.join import Join
 from miniddp.launching.spawn import run_on_ranks
 
@@ -117,6 +118,9 @@ def _session(rank, world, tmp):
     out["memory"] = {stage: _memory(rank, world, stage) for stage in (1, 2)}
     out["bytes"] = _bytes(world)
     out["state_dict"] = _state_dict(rank, world, tmp)
+    out["order"] = _launch_order(rank)
+    if world == 4:
+        out["few"] = _few_parameters(rank)
     if world == 2:
         out["refused"] = _refusals()
         out["join"] = {stage: _join(rank, stage) for stage in (1, 2)}
@@ -137,6 +141,43 @@ def _memory(rank, world, stage):
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return {**after_backward, "adam_elements": state, "trained": trained,
             "bucket_numel": [b.buffer.numel() for b in ddp.reducer.buckets]}
+
+
+def _launch_order(rank):
+    """Stage 2's reduce-scatters, traced: launched in bucket order, the first before backward's last gradient."""
+    tracer = Tracer(rank)
+    ddp = miniddp.DistributedDataParallel(Net(rank), bucket_cap_mb=CAP_MB, tracer=tracer)
+    miniddp.ZeroOptimizer(ddp, torch.optim.AdamW, stage=2)
+    ddp(_batch(0, 0, rank)).backward()
+    events = tracer.events
+    launched = [e for e in events if e["name"] == "bucket launched"]
+    last_gradient = max(e["t"] for e in events if e["name"] == "grad ready")
+    return {"order": [e["bucket"] for e in launched], "buckets": len(ddp.reducer.buckets),
+            "overlapped": launched[0]["t"] < last_gradient}
+
+
+def _few_parameters(rank):
+    """Fewer parameters (and elements) than ranks: some ranks own nothing, under both ZeROs."""
+    def tiny(seed):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(1, 1, bias=False), nn.Linear(1, 2))  # 1 + 2 + 2 elements, 3 tensors
+
+    ddp_model, zero_model, torch_style = tiny(rank), tiny(rank), tiny(rank)
+    ddp = miniddp.DistributedDataParallel(ddp_model)
+    zddp = miniddp.DistributedDataParallel(zero_model, bucket_cap_mb=1e-6)  # a bucket per tensor: 1, 2, 2 elements
+    sddp = miniddp.DistributedDataParallel(torch_style)
+    plain, zero = torch.optim.AdamW(ddp_model.parameters(), lr=0.1), miniddp.ZeroOptimizer(zddp, torch.optim.AdamW,
+                                                                                           lr=0.1)
+    stage1 = miniddp.ZeroRedundancyOptimizer(torch_style.parameters(), torch.optim.AdamW, lr=0.1)
+    for step in range(STEPS):
+        x = torch.randn(3, 1, generator=torch.Generator().manual_seed(10 * step + rank))
+        for model, opt in ((ddp, plain), (zddp, zero), (sddp, stage1)):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return {"pieces": sum(len(p) for p in zero.shards.pieces), "owned": sum(len(g) for g in stage1.owned[rank]),
+            "zero": _max_diff(zero_model.parameters(), ddp_model.parameters()),
+            "stage1": _max_diff(torch_style.parameters(), ddp_model.parameters())}
 
 
 def _bytes(world):
@@ -296,3 +337,17 @@ def test_what_zero_through_the_engine_refuses(sessions):
 def test_uneven_inputs_under_join_train_what_ddp_and_adamw_train(sessions):
     for result in sessions[2]:
         assert result["join"][1] <= TOL_DDP and result["join"][2] <= TOL_DDP
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_reduce_scatters_go_out_in_bucket_order_while_backward_still_runs(sessions, world):
+    for result in sessions[world]:
+        order = result["order"]
+        assert order["order"] == list(range(order["buckets"])) and order["buckets"] > 1
+        assert order["overlapped"]
+
+
+def test_ranks_that_own_nothing_still_train_what_ddp_trains(sessions):
+    few = [result["few"] for result in sessions[4]]
+    assert 0 in [f["pieces"] for f in few] and 0 in [f["owned"] for f in few]  # the case is really there
+    assert all(f["zero"] <= TOL_DDP and f["stage1"] <= TOL_DDP for f in few)

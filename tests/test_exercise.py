@@ -31,6 +31,7 @@ N, F, H = "tests/test_no_sync.py::", "tests/test_buffers.py::", "tests/test_comm
 D, U, J = "tests/test_ddp.py::", "tests/test_unused.py::", "tests/test_join.py::"
 G = "tests/test_static_graph.py::"
 K = "tests/test_bucketed.py::"
+Z, R = "tests/test_zero.py::", "tests/test_zero_exercise_spec.py::"
 
 # exercise -> (what the learner got wrong, the reference text, what they wrote, the items it must fail)
 MISTAKES = {
@@ -213,6 +214,47 @@ MISTAKES = {
          "EarlyTerminationError(f\"rank {self.rank}",
          [J + "test_throw_on_early_termination_raises_on_every_rank_at_the_same_iteration"]),
     ],
+    "sharded_optimizer": [
+        ("every rank steps every parameter: the optimizer state is not sharded",
+         '"params": mine} for group, mine in zip(self.param_groups, self.owned[self.rank])]',
+         '"params": group["params"]} for group in self.param_groups]',
+         [Z + "test_matches_torch_zero_and_one_process"]),
+        ("no broadcast after the step: each rank sees only its own shard's update",
+         "        self._sync_params()\n        return loss", "        return loss",
+         [Z + "test_matches_torch_zero_and_one_process"]),
+        ("every parameter broadcast from rank 0, not from its owner", "source = dist.get_global_rank(group, owner)",
+         "source = dist.get_global_rank(group, 0)", [Z + "test_matches_torch_zero_and_one_process"]),
+        ("parameters dealt round-robin by position, not greedily by size: the state unbalanced",
+         "self.owned = partition_by_size(self.param_groups, self.world_size)",
+         'self.owned = [[g["params"][r :: self.world_size] for g in self.param_groups] '
+         'for r in range(self.world_size)]',
+         [Z + "test_matches_torch_zero_and_one_process"]),
+    ],
+    "reduce_scatter": [
+        ("never divides by N (the base class's divisor 1): each shard holds the sum, not the mean",
+         "self.shards, self.divisor, self.frees_gradients = shards, divisor, frees_gradients",
+         "self.shards, self.frees_gradients = shards, frees_gradients",
+         [R + "test_each_rank_holds_its_chunk_of_the_mean_gradient"]),
+        ("chunk boundaries off by one: the chunk's last element left out",
+         "start, stop = max(lo, offset), min(hi, offset + param.numel())",
+         "start, stop = max(lo, offset), min(hi - 1, offset + param.numel())",
+         [R + "test_each_rank_holds_its_chunk_of_the_mean_gradient"]),
+        ("the last chunk not padded: the reduce-scatter's input is not N whole chunks",
+         "reduce_scatter(chunk, self.shards.padded(bucket.index, flat), group)", "reduce_scatter(chunk, flat, group)",
+         [R + "test_each_rank_holds_its_chunk_of_the_mean_gradient"]),
+        ("a second backward's chunk replaces the first instead of adding to it",
+         "        if self.grad[b] is None:\n            self.grad[b] = mean_chunk\n        else:\n"
+         "            self.grad[b] += mean_chunk\n", "        self.grad[b] = mean_chunk\n",
+         [R + "test_each_rank_holds_its_chunk_of_the_mean_gradient",
+          R + "test_stages_1_and_2_train_what_torch_ddp_and_adamw_train"]),
+        ("all-reduces the whole bucket and keeps its own chunk: twice the bytes of a reduce-scatter",
+         "        future = reduce_scatter(chunk, self.shards.padded(bucket.index, flat), group)\n",
+         "        lo, hi = self.shards.rank * chunk.numel(), (self.shards.rank + 1) * chunk.numel()\n"
+         "        padded = self.shards.padded(bucket.index, flat)\n"
+         "        whole = torch.distributed.all_reduce(padded, group=group, async_op=True)\n"
+         "        future = whole.get_future().then(lambda f: f.value()[0][lo:hi].clone())\n",
+         [R + "test_a_backward_reduce_scatters_each_bucket_and_all_reduces_no_gradient"]),
+    ],
 }
 
 
@@ -234,7 +276,7 @@ def _write(tmp_path, name, text) -> Path:
 def test_every_exercise_has_three_mistakes_and_its_spec_items_exist():
     assert [e.name for e in EXERCISES] == ["sharding", "averaging", "ring", "bucketed", "bucketing", "no_sync",
                                            "buffers", "compression", "powersgd", "reducer", "unused", "static_graph",
-                                           "join"]
+                                           "join", "sharded_optimizer", "reduce_scatter"]
     for e in EXERCISES:
         assert len(MISTAKES[e.name]) >= 3, e.name
         assert _independent(e.name), f"no correct solution written apart from the reference: {INDEPENDENT}/{e.name}.py"

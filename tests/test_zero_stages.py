@@ -211,7 +211,7 @@ def _state_dict(rank, world, tmp):
             opt.step()
             opt.zero_grad()
     mine, theirs = zero.state_dict(), plain.state_dict()
-    same_keys = sorted(mine["state"]) == sorted(theirs["state"])
+    same_keys = sorted(mine["state"]) == sorted(theirs["state"]) and mine["param_groups"] == theirs["param_groups"]
     diff = max((mine["state"][i][k].double() - v.double()).abs().max().item()
                for i in theirs["state"] for k, v in theirs["state"][i].items())
     if world == 2 and rank == 0:

@@ -47,12 +47,17 @@ class Shards:
 
     def __init__(self, buckets, rank: int, world_size: int):
         self.buckets, self.rank, self.world_size = buckets, rank, world_size
+        ### BEGIN SOLUTION
         self.chunk = [-(-b.buffer.numel() // world_size) for b in buckets]  # ceil(numel / N): every rank's size
+        ### END SOLUTION
         self.pieces = [self._cut(b, size) for b, size in zip(buckets, self.chunk)]
         self.grad: list[torch.Tensor | None] = [None] * len(buckets)  # this rank's averaged chunk, per bucket
         self.used: set[int] = set()  # parameters some rank had a gradient for since zero_grad
 
     def _cut(self, bucket, size: int) -> list[Piece]:
+        """This rank's ``Piece``s of ``bucket``: elements ``[rank*size, (rank+1)*size)`` of its flat layout
+        (``start``/``stop`` count in the parameter, ``offset`` in the chunk)."""
+        ### BEGIN SOLUTION
         lo, hi = self.rank * size, (self.rank + 1) * size  # this rank's elements of the bucket's flat layout
         pieces, offset = [], 0
         for index, param in zip(bucket.indices, bucket.params):
@@ -61,15 +66,19 @@ class Shards:
                 pieces.append(Piece(param, index, start - offset, stop - offset, start - lo))
             offset += param.numel()
         return pieces
+        ### END SOLUTION
 
     def padded(self, b: int, flat: torch.Tensor) -> torch.Tensor:
         """``flat`` (bucket ``b``'s layout) with zeros up to ``world_size`` whole chunks."""
+        ### BEGIN SOLUTION
         missing = self.chunk[b] * self.world_size - flat.numel()
         return flat if missing == 0 else torch.cat([flat, flat.new_zeros(missing)])
+        ### END SOLUTION
 
     def land(self, b: int, mean_chunk: torch.Tensor, counts: list[int]) -> None:
         """Add this rank's chunk of bucket ``b``'s mean to its shard; a piece gets a ``.grad`` once some rank
         had its parameter's gradient (unused everywhere: left as it was, as DDP leaves ``.grad``)."""
+        ### BEGIN SOLUTION
         if self.grad[b] is None:
             self.grad[b] = mean_chunk
         else:
@@ -78,6 +87,7 @@ class Shards:
         for piece in self.pieces[b]:
             if piece.index in self.used:
                 piece.tensor.grad = self.grad[b][piece.offset : piece.offset + piece.stop - piece.start]
+        ### END SOLUTION
 
     def zero_grad(self) -> None:
         self.grad, self.used = [None] * len(self.buckets), set()
@@ -95,7 +105,9 @@ class ReduceScatterMean(BucketCollective):
     claimed_by = "ZeroOptimizer"
 
     def __init__(self, shards: Shards, divisor: int, frees_gradients: bool):
+        ### BEGIN SOLUTION
         self.shards, self.divisor, self.frees_gradients = shards, divisor, frees_gradients
+        ### END SOLUTION
 
     def begin(self, buckets) -> None:
         if buckets is not self.shards.buckets:
@@ -107,8 +119,10 @@ class ReduceScatterMean(BucketCollective):
                 storage.resize_(bucket.nbytes)
 
     def issue(self, bucket, flat, is_last, group):
+        ### BEGIN SOLUTION
         chunk = flat.new_empty(self.shards.chunk[bucket.index])
         future = reduce_scatter(chunk, self.shards.padded(bucket.index, flat), group)
+        ### END SOLUTION
         if self.frees_gradients and flat is bucket.buffer:  # the gradients are in the bucket: drop .grad now
             for param in bucket.params:
                 param.grad = None
@@ -118,6 +132,9 @@ class ReduceScatterMean(BucketCollective):
         return value
 
     def land(self, bucket, result, counts, as_view) -> None:
+        if result.untyped_storage().data_ptr() == bucket.buffer.untyped_storage().data_ptr():
+            raise RuntimeError(f"bucket {bucket.index}'s reduce-scatter returned a view of the bucket, whose memory "
+                               "stage 2 frees: the shard must be a tensor of its own (the collective's output)")
         self.shards.land(bucket.index, result, counts)
         for param in bucket.params:  # the whole gradient is not this rank's to keep (stage 1: it was kept till now)
             param.grad = None

@@ -53,6 +53,7 @@ class ZeroJoinHook(JoinHook):
 class ZeroOptimizer(torch.optim.Optimizer, Joinable):
     """ZeRO stage 1 or 2 of ``ddp``'s parameters with a local ``optimizer_class``; see the module docstring."""
 
+    # --8<-- [start:attach]
     def __init__(self, ddp, optimizer_class: type[torch.optim.Optimizer], stage: int = 2, params=None, **defaults):
         if stage not in (1, 2):
             raise ValueError(f"ZeroOptimizer(stage={stage!r}): stage is 1 (optimizer state) or 2 (and gradients); "
@@ -66,6 +67,10 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         self.shards = Shards(reducer.buckets, self.rank, self.world_size)
         reducer.collective = ReduceScatterMean(self.shards, self.world_size, frees_gradients=stage == 2)
         self.optim = optimizer_class(self._local_groups(), **defaults)  # steps this rank's pieces only
+        self.defaults = self.optim.defaults  # every option (AdamW's betas too), so state_dict() loads anywhere
+        for group, local in zip(self.param_groups, self.optim.param_groups):
+            group.update({k: v for k, v in local.items() if k != "params"})
+    # --8<-- [end:attach]
 
     def _local_groups(self) -> list[dict]:
         """Each param group's options with this rank's pieces of its parameters (maybe none)."""
@@ -181,6 +186,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         return self.ddp.reducer.group
 
 
+# --8<-- [start:refusals]
 def _check_attachable(ddp) -> None:
     """What ZeRO through the engine cannot take, refused in one line before anything changes."""
     reducer = ddp.reducer
@@ -196,6 +202,7 @@ def _check_attachable(ddp) -> None:
     if ddp.auto_cap is not None:
         raise ValueError("ZeroOptimizer: bucket_cap_mb='auto' rebuilds the buckets after the first step; ZeRO "
                          "keeps the first ones: give a number of MiB")
+# --8<-- [end:refusals]
 
 
 def _elementwise(value) -> bool:

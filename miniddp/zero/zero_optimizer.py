@@ -69,12 +69,17 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         return group_or_default(self._process_group)
 
     def _partition(self) -> None:
+        """``self.owned[rank][group]``: the parameters of each group each rank owns (``partition_by_size``)."""
+        ### BEGIN SOLUTION
         self.owned = partition_by_size(self.param_groups, self.world_size)  # owned[rank][group]: parameters
+        ### END SOLUTION
         self.params = [p for group in self.param_groups for p in group["params"]]  # global index -> parameter
 
     def _local_groups(self) -> list[dict]:
         """This rank's param groups: each global group's options with only the parameters we own (maybe none)."""
+        ### BEGIN SOLUTION
         return [{**group, "params": mine} for group, mine in zip(self.param_groups, self.owned[self.rank])]
+        ### END SOLUTION
 
     def _copy_options(self, source: list[dict], target: list[dict]) -> None:
         """Options (lr, betas, ... as a scheduler changes them) from one list of groups to the other."""
@@ -94,15 +99,18 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         """Step our shard with the local optimizer, then broadcast every parameter from its owner, rank by rank."""
         if self.join_context is not None and self.join_context.joinables[0] is self:
             self.join_context.notify(will_sync=True, rebuild=False)  # alone in Join: this step is the iteration
+        ### BEGIN SOLUTION
         self._copy_options(self.param_groups, self.optim.param_groups)
         loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure=closure, **kwargs)
         self._copy_options(self.optim.param_groups, self.param_groups)
         self._sync_params()
         return loss
+        ### END SOLUTION
 
     def _sync_params(self) -> None:
         """Every rank receives every other rank's updated shard: one broadcast per parameter, the same order on
         every rank (owner by owner, group by group, the partition's order)."""
+        ### BEGIN SOLUTION
         group = self.process_group
         handles = []
         for owner in range(self.world_size):
@@ -111,6 +119,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 handles += [dist.broadcast(p.detach(), src=source, group=group, async_op=True) for p in params]
         for handle in handles:
             handle.wait()
+        ### END SOLUTION
     # --8<-- [end:step]
 
     def zero_grad(self, set_to_none: bool = True) -> None:

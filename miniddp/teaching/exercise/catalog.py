@@ -41,6 +41,8 @@ _DDP = "tests/test_ddp.py::"
 _UNUSED = "tests/test_unused.py::"
 _JOIN = "tests/test_join.py::"
 _STATIC = "tests/test_static_graph.py::"
+_ZERO = "tests/test_zero.py::"
+_ZERO_SPEC = "tests/test_zero_exercise_spec.py::"
 
 EXERCISES: tuple[Exercise, ...] = (
     Exercise("sharding", "miniddp.by_hand.sharding", ("ShardSampler",), ("ShardSampler",), "sharding.md", (
@@ -196,6 +198,28 @@ EXERCISES: tuple[Exercise, ...] = (
                  "divide_by_initial_world_size: by the world size, or by the ranks still active"),
         SpecItem(_JOIN + "test_throw_on_early_termination_raises_on_every_rank_at_the_same_iteration",
                  "throw_on_early_termination raises on every rank at the same iteration"),
+    )),
+    Exercise("sharded_optimizer", "miniddp.zero.zero_optimizer", ("ZeroRedundancyOptimizer",),
+             ("ZeroRedundancyOptimizer",), "zero.md", (
+        SpecItem(_ZERO + "test_matches_torch_zero_and_one_process",
+                 "bitwise torch's ZeroRedundancyOptimizer, one process's AdamW to 1e-5; each rank keeps state only for "
+                 "the parameters it owns (torch's owners), the whole state once over the ranks"),
+        SpecItem(_ZERO + "test_add_param_group_and_state_dict_round_trip",
+                 "add_param_group trains as torch's; the consolidated state dict reloads and trains on identically"),
+        SpecItem(_ZERO + "test_uneven_inputs_under_join_match_torch",
+                 "uneven inputs under Join: a joined rank answers the broadcasts, as torch's does"),
+        SpecItem(_ZERO + "test_cs336_adapter_steps_like_the_plain_optimizer",
+                 "given the same gradients on every rank, it steps as the plain optimizer does"),
+    )),
+    Exercise("reduce_scatter", "miniddp.zero.gradient_shards", ("Shards", "ReduceScatterMean"),
+             ("Shards", "ReduceScatterMean"), "zero.md", (
+        SpecItem(_ZERO_SPEC + "test_each_rank_holds_its_chunk_of_the_mean_gradient",
+                 "rank r's pieces are chunk r of each bucket (the last padded) and hold that chunk of the mean "
+                 "gradient, accumulated over backwards"),
+        SpecItem(_ZERO_SPEC + "test_stages_1_and_2_train_what_torch_ddp_and_adamw_train",
+                 "ZeroOptimizer at stages 1 and 2 trains what torch's DDP with plain AdamW trains"),
+        SpecItem(_ZERO_SPEC + "test_a_backward_reduce_scatters_each_bucket_and_all_reduces_no_gradient",
+                 "a backward sends one reduce-scatter per bucket, in bucket order, and all-reduces no gradient"),
     )),
 )
 

@@ -137,7 +137,7 @@ def test_the_count_flag_overrides_the_yaml(capsys, script):
 
 # --- bad input: one line naming the key and the fix, status 2, never a traceback ---------------------
 
-DS = "config: it needs `accelerate launch`; miniddp runs DDP only"
+DS = "config: it needs `accelerate launch`; miniddp runs DDP and ZeRO stages 0-2 only"
 BAD = {  # case: (YAML file or None, launcher arguments, the one line after "miniddp launch: error: ")
     "malformed YAML": ("num_processes: [2\n", ["script.py"],
                        "bad.yaml: not valid YAML at line 2, column 1 (expected ',' or ']', but got '<stream end>'); "
@@ -160,9 +160,9 @@ BAD = {  # case: (YAML file or None, launcher arguments, the one line after "min
     "--num_processes -1": (None, ["--num_processes", "-1", "script.py"],
                            "argument --num_processes: -1 must be a whole number >= 1: give the total over all "
                            "machines, e.g. --num_processes 2"),
-    "deepspeed_config": ("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n", ["script.py"],
-                         f"bad.yaml: this is a DeepSpeed {DS}"),
-    "DEEPSPEED": ("distributed_type: DEEPSPEED\n", ["script.py"], f"bad.yaml: this is a DeepSpeed {DS}"),
+    "zero_stage: 3": ("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 3\n", ["script.py"],
+                      "bad.yaml: deepspeed_config.zero_stage: 3: miniddp runs ZeRO stage 0, 1 or 2 (stage 3, "
+                      "parameter sharding, is DeepSpeed's)"),
     "fsdp_config": ("fsdp_config:\n  fsdp_sharding_strategy: FULL_SHARD\n", ["script.py"],
                     f"bad.yaml: this is an FSDP {DS}"),
     "FSDP": ("distributed_type: FSDP\n", ["script.py"], f"bad.yaml: this is an FSDP {DS}"),

@@ -2,14 +2,16 @@
 
 What
     ``read_config(path)`` reads the YAML that ``accelerate config`` writes and checks it key by key:
-    unknown keys, other engines (DeepSpeed, FSDP), numbers out of range (``launch_checks.py``), a
+    unknown keys, other engines (FSDP, Megatron-LM), numbers out of range (``launch_checks.py``), a
     ``machine_rank`` that is not below ``num_machines``, a host that is not an address or an ASCII
     name, a key given twice (with its two line numbers), YAML anchors and aliases, a file that is not
     text or is over 1 MiB are one ``LaunchError`` line each.
     ``HONOURED`` lists the keys acted on as ``accelerate launch`` does (``gpu_ids`` sets
     ``CUDA_VISIBLE_DEVICES``, ``num_cpu_threads_per_process`` sets ``OMP_NUM_THREADS``,
     ``rdzv_backend``, ``debug``); ``ignored_settings`` names, once, the keys it reads and does not
-    act on (``dynamo_config``, the TPU keys...).
+    act on (``dynamo_config``, the TPU keys...). ``distributed_type: DEEPSPEED`` runs miniddp's ZeRO
+    (stage 0-2): ``deepspeed_variables`` are the ``ACCELERATE_*`` variables its ``deepspeed_config`` block
+    becomes (``training/deepspeed_args.py``, where each key is checked and the trainer reads them back).
 
 Why
     A setting that is accepted and then dropped without a word is a silent wrong answer: the user
@@ -20,7 +22,8 @@ Why
 
 How Accelerate differs
     ``accelerate launch`` reads the same file through its own dataclasses
-    (``accelerate/commands/config/config_args.py``) and ignores unknown keys it does not use.
+    (``accelerate/commands/config/config_args.py``) and ignores unknown keys it does not use. With
+    ``DEEPSPEED`` it runs DeepSpeed's engine (and on the CPU none: it drops DeepSpeed there).
 """
 
 from __future__ import annotations
@@ -29,15 +32,17 @@ import os
 
 import yaml
 
+from ..training.deepspeed_args import accelerate_variables
 from .launch_checks import MAX_PER_MACHINE, MAX_PROCESSES, host, shown
 
 KNOWN_KEYS = {"compute_environment", "distributed_type", "num_processes", "num_machines", "machine_rank",
               "main_process_ip", "main_process_port", "mixed_precision", "same_network", "use_cpu",
               "main_training_function", "rdzv_backend", "gpu_ids", "downcast_bf16", "debug", "enable_cpu_affinity",
-              "tpu_env", "tpu_use_cluster", "tpu_use_sudo", "dynamo_config", "num_cpu_threads_per_process"}
-DDP_TYPES = {"MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_HPU", "MULTI_MLU", "NO"}  # what miniddp can run
-OTHER_ENGINES = {"deepspeed_config": "DeepSpeed", "fsdp_config": "FSDP", "megatron_lm_config": "Megatron-LM",
-                 "DEEPSPEED": "DeepSpeed", "FSDP": "FSDP", "MEGATRON_LM": "Megatron-LM"}  # keys and distributed_types
+              "tpu_env", "tpu_use_cluster", "tpu_use_sudo", "dynamo_config", "num_cpu_threads_per_process",
+              "deepspeed_config"}
+DDP_TYPES = {"MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_HPU", "MULTI_MLU", "NO", "DEEPSPEED"}  # miniddp runs
+OTHER_ENGINES = {"fsdp_config": "FSDP", "megatron_lm_config": "Megatron-LM", "FSDP": "FSDP",
+                 "MEGATRON_LM": "Megatron-LM"}  # keys and distributed_types
 WHOLE_NUMBERS = {  # key: (lowest, highest, what to write instead); the highest: see launch_checks.py
     "num_processes": (1, MAX_PROCESSES, "the total number of processes over all machines, e.g. `num_processes: 2`"),
     "num_machines": (1, MAX_PROCESSES, "the number of machines, e.g. `num_machines: 1`"),
@@ -102,7 +107,7 @@ def read_config(path) -> dict:
     engine = next((OTHER_ENGINES[k] for k in [*cfg, str(cfg.get("distributed_type"))] if k in OTHER_ENGINES), None)
     if engine:
         raise LaunchError(f"{path}: this is {'an' if engine == 'FSDP' else 'a'} {engine} config: "
-                          "it needs `accelerate launch`; miniddp runs DDP only")
+                          "it needs `accelerate launch`; miniddp runs DDP and ZeRO stages 0-2 only")
     unknown = sorted(set(cfg) - KNOWN_KEYS)
     if unknown:
         raise LaunchError(f"{path}: unknown key(s) {unknown}; known: {sorted(KNOWN_KEYS)}")
@@ -135,7 +140,21 @@ def read_config(path) -> dict:
         except ValueError as err:
             raise LaunchError(f"{path}: main_process_ip: {shown(cfg['main_process_ip'])} {err}") from None
     _check_honoured(path, cfg)
+    if cfg.get("deepspeed_config") and kind != "DEEPSPEED":
+        raise LaunchError(f"{path}: deepspeed_config is read with `distributed_type: DEEPSPEED` only: set it, or "
+                          "delete the block")
+    deepspeed_variables(cfg, path)  # each key checked now, before any process starts
     return cfg
+
+
+def deepspeed_variables(cfg: dict, path=None) -> dict:
+    """``distributed_type: DEEPSPEED``: the ``ACCELERATE_*`` variables of its ``deepspeed_config`` (else none)."""
+    if cfg.get("distributed_type") != "DEEPSPEED":
+        return {}
+    try:
+        return accelerate_variables(cfg.get("deepspeed_config") or {}, str(path))
+    except ValueError as err:  # DeepSpeedConfigError: it names the key
+        raise LaunchError(" ".join(str(err).split())) from None
 
 
 def machine_rank_error(given: str, cfg: dict, source=None) -> str:

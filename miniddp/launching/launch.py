@@ -8,7 +8,9 @@ What
     untouched), reads the config (``accelerate_config.py``; with no ``--config_file``, Accelerate's
     default file if it exists, as ``accelerate launch`` does), picks the process count (one per
     visible GPU, else 2 on the CPU), and runs torchrun with the arguments ``torchrun_args.py``
-    builds. The training CLI is ``miniddp launch ... -m miniddp.train --output_dir out``.
+    builds. The training CLI is ``miniddp launch ... -m miniddp.train --output_dir out``. A YAML with
+    ``distributed_type: DEEPSPEED`` runs miniddp's ZeRO stage 0-2: its ``deepspeed_config`` reaches the
+    workers as the ``ACCELERATE_*`` variables ``accelerate launch`` sets, which miniddp's Trainer reads.
 
 Why
     The YAML is how TRL and Accelerate users describe jobs (TRL's multi-node page), and
@@ -18,7 +20,7 @@ Why
 
 How Accelerate differs
     ``accelerate launch`` (``accelerate/commands/launch.py``) parses the same way, with many
-    more options and backends (DeepSpeed, FSDP, TPU), and runs the same ``torch.distributed.run``.
+    more options and backends (FSDP, TPU, DeepSpeed's own engine), and runs the same ``torch.distributed.run``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import sys
 
 from .accelerate_config import (
     LaunchError,
+    deepspeed_variables,
     default_config_file,
     default_config_source,
     ignored_settings,
@@ -136,6 +139,10 @@ def launch_command(argv: list[str]) -> tuple[list[str], dict, bool]:
     if "num_processes" not in cfg:  # per machine, times the machines
         per_node, why = default_num_processes(cfg.get("use_cpu", False))
         cfg["num_processes"] = per_node * cfg.get("num_machines", 1)
+    if args.drop_in and cfg.get("distributed_type") == "DEEPSPEED":  # its ACCELERATE_* variables start DeepSpeed
+        raise LaunchError(f"{args.config_file}: distributed_type: DEEPSPEED with --drop_in: the drop-in replaces "
+                          "torch's DDP, and a Transformers or Accelerate script would start DeepSpeed's engine; use "
+                          "MULTI_GPU or MULTI_CPU with --drop_in (miniddp's ZeRO runs in its own Trainer)")
     drop_in = ["-m", "miniddp.drop_in"] if args.drop_in else []  # it runs the script, or `-m module`, itself
     command = torchrun_args(cfg, machine_rank=args.machine_rank) + drop_in + target
     notices += [f"{why}; --num_processes N to choose"] if why else []
@@ -146,7 +153,21 @@ def launch_command(argv: list[str]) -> tuple[list[str], dict, bool]:
         print(f"miniddp launch: {line}", file=sys.stderr, flush=True)
     if target == ["-m", "miniddp.train"]:
         script_args = train_flags(cfg, script_args)
-    return command + script_args, script_env(cfg), args.dry_run
+        script_args += deepspeed_flags(cfg, script_args)
+    return command + script_args, {**script_env(cfg), **deepspeed_variables(cfg)}, args.dry_run
+
+
+def deepspeed_flags(cfg: dict, flags: list[str]) -> list[str]:
+    """For ``-m miniddp.train``: the ``deepspeed_config`` block's accumulation and clipping as its flags, unless
+    the flags give them (then the trainer refuses a disagreement, as Hugging Face's does)."""
+    if cfg.get("distributed_type") != "DEEPSPEED":
+        return []
+    block, given, extra = cfg.get("deepspeed_config") or {}, {f.split("=")[0] for f in flags}, []
+    for key, flag in (("gradient_accumulation_steps", "--gradient_accumulation_steps"),
+                      ("gradient_clipping", "--max_grad_norm")):
+        if key in block and flag not in given:
+            extra += [flag, str(block[key])]
+    return extra
 
 
 def _check_module(name: str) -> None:

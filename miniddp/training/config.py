@@ -27,7 +27,8 @@ How Hugging Face differs
     ``ddp_broadcast_buffers`` default to ``None`` there (decided from the model);
     here they default to DDP's own defaults. Transformers' docs warn against
     combining either with ``gradient_checkpointing``; we refuse the combination.
-    ``mixed_precision`` is Accelerate's name (``no``/``bf16``/``fp16``).
+    ``mixed_precision`` is Accelerate's name (``no``/``bf16``/``fp16``); ``deepspeed`` takes
+    DeepSpeed's config, for miniddp's ZeRO stage 0-2 (``deepspeed_args.py``).
     ``per_device_eval_batch_size`` defaults to 256 (8 there): the built-in
     evaluation sets are tiny. ``loss_normalization``, ``model``, ``dataset_size``,
     ``eval_size`` and ``dropout`` choose the built-in task (``tasks.py``); the
@@ -47,6 +48,7 @@ from ..engine.bucketing import check_bucket_cap_mb
 from ..process_group.backend import valid_backend_names
 from ..process_group.timeouts import DEFAULT_TIMEOUT_S, as_timedelta
 from .config_checks import check_compile_backend, checkpoint_kwargs
+from .deepspeed_args import deepspeed_settings, world_size_from_env
 from .report_to import REPORT_TO, check_report_to
 
 MIXED_PRECISION = ("no", "bf16", "fp16")
@@ -131,6 +133,9 @@ class TrainingConfig:
     eval_size: int = field(default=512, metadata={"help": "held-out samples of the built-in task; 0: no evaluation"})
     dropout: float = field(default=0.0, metadata={"help": "the built-in models' dropout probability"})
     disable_tqdm: bool = field(default=False, metadata={"help": "no progress bar"})
+    deepspeed: str | dict | None = field(default=None, metadata={
+        "help": "a DeepSpeed config (JSON file, JSON text or dict): zero_optimization.stage 0, 1 or 2 runs miniddp's "
+                "ZeRO; none: ACCELERATE_USE_DEEPSPEED's variables, else stage 0"})
     report_to: str = field(default="none", metadata={
         "help": "also log to tensorboard (rank 0; output_dir/runs/ or $TENSORBOARD_LOGGING_DIR); none: metrics.json"})
 
@@ -140,7 +145,7 @@ class TrainingConfig:
     # --8<-- [start:validate]
     def validate(self) -> None:
         # a Path and a timedelta become what metrics.json can hold (it records the config)
-        for name in ("output_dir", "resume_from_checkpoint"):
+        for name in ("output_dir", "resume_from_checkpoint", "deepspeed"):
             if isinstance(getattr(self, name), os.PathLike):
                 setattr(self, name, os.fspath(getattr(self, name)))
         if isinstance(self.ddp_timeout, timedelta):
@@ -216,7 +221,15 @@ class TrainingConfig:
             raise ValueError("ddp_broadcast_buffers=True cannot be combined with gradient_checkpointing on a model "
                              "with buffers: the recomputed forward sees buffers the broadcast changed. "
                              "Set ddp_broadcast_buffers=False.")
+        self._zero = deepspeed_settings(self, world_size_from_env())  # deepspeed_args.py: stage 0, 1 or 2
+        if self._zero.bucket_cap_mb is not None:  # zero_optimization.reduce_bucket_size, in MiB
+            self.ddp_bucket_cap_mb = self._zero.bucket_cap_mb
     # --8<-- [end:validate]
+
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage ``deepspeed`` asks for: 0 (DDP), 1 or 2 (``miniddp.ZeroOptimizer``)."""
+        return self._zero.stage
 
     def effective_batch_size(self, world_size: int) -> int:
         """Samples per optimizer step over all ranks: what equivalent runs share."""

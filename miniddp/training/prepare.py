@@ -5,7 +5,8 @@ What
     the ``TrainingConfig``. ``prepare_model``: gradient checkpointing, the move to the rank's
     device, ``DistributedDataParallel`` with the ``ddp_*`` settings and the ``ddp_comm_hook``.
     ``prepare_dataloader``: a ``ShardSampler`` and a ``DataLoader`` with its own generator.
-    ``prepare_optimizer``: AdamW, its learning rate decayed linearly to 0 over ``max_steps``.
+    ``prepare_optimizer``: AdamW (with ZeRO stage 1 or 2: ``miniddp.ZeroOptimizer`` of AdamW, attached to DDP
+    before its first forward), its learning rate decayed linearly to 0 over ``max_steps``.
     ``prepare_mixed_precision``: autocast for bf16 and fp16, a ``GradScaler`` for fp16.
 
 Why
@@ -19,7 +20,9 @@ How Hugging Face differs
     ``DistributedSampler`` or batches dispatched from rank 0. ``Trainer.create_optimizer_and_scheduler``
     defaults to AdamW and a linear schedule, as here (with warmup and more optimizers there).
     Both call the model's ``gradient_checkpointing_enable()``; here a model without one gets an
-    error naming the alternative, and one whose buffers DDP would broadcast is refused.
+    error naming the alternative, and one whose buffers DDP would broadcast is refused. With a
+    DeepSpeed config, ``deepspeed.initialize`` wraps model and optimizer in DeepSpeed's engine there;
+    miniddp attaches its ZeRO to its own DDP.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from torch.utils.data import DataLoader
 from ..by_hand.sharding import ShardSampler
 from ..comm_hooks import hook_by_name
 from ..engine.ddp import DistributedDataParallel
+from ..zero.zero_ddp_optimizer import ZeroOptimizer
 from .config import TrainingConfig
 
 
@@ -81,11 +85,18 @@ def prepare_dataloader(dataset, args: TrainingConfig, rank: int, world_size: int
 # --8<-- [end:wrap]
 
 
-def prepare_optimizer(model: torch.nn.Module, args: TrainingConfig, max_steps: int):
-    """AdamW, and a schedule that decays its learning rate linearly to 0 at ``max_steps``."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+# --8<-- [start:optimizer]
+def prepare_optimizer(ddp, args: TrainingConfig, max_steps: int, zero_stage: int = 0):
+    """AdamW for ``ddp``'s model (ZeRO stage 1 or 2: sharded by ``ZeroOptimizer``), and a schedule that decays
+    its learning rate linearly to 0 at ``max_steps``."""
+    if zero_stage == 0:
+        optimizer = torch.optim.AdamW(ddp.module.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    else:  # before DDP's first forward: its buckets' reduce-scatter and this rank's shard are set up now
+        optimizer = ZeroOptimizer(ddp, torch.optim.AdamW, stage=zero_stage, lr=args.learning_rate,
+                                  weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1 - s / max_steps))
     return optimizer, scheduler
+# --8<-- [end:optimizer]
 
 
 def prepare_mixed_precision(mixed_precision: str, device: torch.device):

@@ -98,6 +98,7 @@ class ProgressReporter:
         metrics = {"world_size": self.world_size, "backend": self.backend,
                    "effective_batch_size": self.samples_per_step,  # what a step trained on
                    "global_step": state.global_step,
+                   "zero_stage": args.zero_stage,  # 0: DDP; 1, 2: miniddp's ZeRO (the deepspeed config)
                    "train_loss": state.loss_sum / max(1, state.global_step),
                    **({"fp16_skipped_steps": state.skipped_steps} if self.fp16 else {}),
                    **self.evaluate(), "log_history": state.log_history}

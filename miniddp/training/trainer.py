@@ -6,8 +6,9 @@ What
     ``transformers.Trainer``'s keywords. It joins the job (``init_distributed``), prepares the
     model, data, optimizer and mixed precision (``prepare.py``), seeds each rank with
     ``seed + rank``, and trains. This file is the loop: accumulation windows with ``no_sync`` on
-    every micro-batch but the last, clipping after the sync, one optimizer and LR-schedule step
-    per window, a stop at the first non-finite loss (``nonfinite.py``). Batches become losses in
+    every micro-batch but the last (ZeRO stage 2: none), clipping after the sync (ZeRO: by the
+    optimizer, from its shards), one optimizer and LR-schedule step per window, a stop at the first
+    non-finite loss (``nonfinite.py``). Batches become losses in
     ``batches.py`` (the loop knows no task). Where the run is lives in one ``TrainerState``
     (``trainer.state``, ``trainer_state.py``); the loop hands it to two collaborators built with
     what they need: a ``ProgressReporter`` logs, evaluates and writes the results (``reporting.py``),
@@ -42,8 +43,10 @@ from ..engine.ddp import move_to
 from ..engine.ddp_optimizer import DDPOptimizer
 from ..process_group.env import init_distributed
 from ..process_group.stalled_ranks import naming_stalled_ranks
+from ..zero.zero_ddp_optimizer import ZeroOptimizer
 from .batches import compute_loss, count_items, counts_items, evaluate
 from .config import TrainingConfig
+from .deepspeed_args import deepspeed_settings
 from .epoch import plan_epoch
 from .nonfinite import grad_norm, stop_if_not_finite
 from .prepare import prepare_dataloader, prepare_mixed_precision, prepare_model, prepare_optimizer
@@ -68,6 +71,7 @@ class Trainer:
         self.eval_dataset = eval_dataset
         self.env = init_distributed(args.ddp_backend, args.ddp_timeout, device="cpu" if args.use_cpu else None)
         self.device, self.rank, self.world_size = self.env.device, self.env.rank, self.env.world_size
+        self.zero_stage = deepspeed_settings(args, self.world_size).stage  # checked again, with the world size
         self.model, self.ddp, self.comm_hook = prepare_model(model, args, self.device)  # self.model: unwrapped
         self.compiler = DDPOptimizer(self.ddp, args.torch_compile_backend or "inductor")  # one piece per bucket
         self.forward = torch.compile(self.ddp, backend=self.compiler) if args.torch_compile else self.ddp  # Accelerate
@@ -81,7 +85,7 @@ class Trainer:
         self.windows = self.plan.windows  # micro-batches per optimizer step, for one epoch
         per_epoch = len(self.windows)  # optimizer steps per epoch
         self.max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * per_epoch)
-        self.optimizer, self.scheduler = prepare_optimizer(self.model, args, self.max_steps)
+        self.optimizer, self.scheduler = prepare_optimizer(self.ddp, args, self.max_steps, self.zero_stage)
         self.autocast, self.scaler = prepare_mixed_precision(args.mixed_precision, self.device)
         self.state = TrainerState()  # where the run is: saved whole in each checkpoint, restored whole
         self.pending_loss = torch.zeros((), dtype=torch.float64, device=self.device)  # this rank's, not yet in state
@@ -102,8 +106,11 @@ class Trainer:
         n = len(micro_batches)
         num_items = self._num_items(micro_batches)
         total = torch.zeros((), dtype=torch.float64, device=self.device)  # summed on the device: no host sync
+        # ZeRO stage 2 syncs every micro-batch, as DeepSpeed does (it refuses no_sync at stage 2): no_sync would keep
+        # a full-size .grad between micro-batches, the memory stage 2 frees; the shards accumulate instead
+        every = self.zero_stage == 2
         for j, batch in enumerate(micro_batches):
-            with nullcontext() if j == n - 1 else self.ddp.no_sync():  # sync only the last micro-batch
+            with nullcontext() if j == n - 1 or every else self.ddp.no_sync():  # DDP: sync the last one only
                 with self.autocast():
                     loss, _ = compute_loss(self.forward, move_to(batch, self.device), self.compute_loss_func,
                                            num_items)
@@ -115,10 +122,7 @@ class Trainer:
             total += loss.detach()
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        if self.args.max_grad_norm > 0:  # after the sync: every rank clips the same averaged gradient
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
-        else:
-            norm = grad_norm(self.model.parameters())
+        norm = self._clip(self.args.max_grad_norm)
         stop_if_not_finite(total, None if self.scaler else norm,  # fp16: the scaler skips inf gradients
                            step=self.state.global_step + 1, output_dir=self.args.output_dir,
                            learning_rate=self.args.learning_rate)
@@ -132,6 +136,15 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return total
+
+    def _clip(self, max_norm: float) -> torch.Tensor:
+        """After the sync, every rank clips the same averaged gradient (0: not clipped); returns its total norm.
+        Under ZeRO every ``.grad`` is None: the optimizer's shards hold the gradient (one all-reduce for the norm)."""
+        if isinstance(self.optimizer, ZeroOptimizer):
+            return self.optimizer.clip_grad_norm_(max_norm if max_norm > 0 else math.inf)  # inf: the norm alone
+        if max_norm > 0:
+            return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        return grad_norm(self.model.parameters())
 
     def _num_items(self, micro_batches):
         """num_items_in_batch for compute_loss_func or the model: the window's labels on all ranks (one all-reduce)."""

@@ -15,7 +15,9 @@ Why
     A resumed run must *be* the interrupted run: the same parameters bit for bit, the same
     ``train_loss`` and ``log_history``. That needs every piece of state, and each in the right
     place: a rank's pending loss in its own file (a save then changes no sum), the bucket layout
-    (gloo's ring adds elements in an order set by their offset in the bucket). Given its objects
+    (gloo's ring adds elements in an order set by their offset in the bucket). Under ZeRO the optimizer's
+    state is sharded; ``optimizer.pt`` holds it whole (``ZeroOptimizer.state_dict``, called by every rank),
+    and loading cuts this rank's shard again, for the same or another number of ranks. Given its objects
     at construction and the state at each call, the checkpointer's inputs are its arguments,
     not attributes of a class it is mixed into.
 
@@ -24,6 +26,8 @@ How Hugging Face differs
     ``trainer_state.json`` (its ``TrainerState``, see ``trainer_state.py``) and
     ``rng_state_<rank>.pth``; ``_load_from_checkpoint`` and ``_load_rng_state`` restore them, as
     methods of the ``Trainer``. It saves no setup to compare, no bucket layout, and no comm hook state.
+    Under DeepSpeed each rank saves its own shard (``zero_pp_rank_<r>_..._optim_states.pt``); another
+    number of ranks loads them after a conversion (its Universal Checkpoint, ``ds_to_universal.py``).
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ class Checkpointer:
         """Every rank calls this: ``output_dir/checkpoint-<global_step>/``, complete once it returns."""
         trainer_state = {**state.to_dict(), "setup": self.setup,
                          "layout": self.ddp.layout_state()}  # the bucket layout: sums in the same order
+        # every rank builds them: under ZeRO, optimizer.state_dict() is a collective that gathers each rank's shard
+        # of the state into torch.optim's whole format (rank 0 writes it; any world size can load it)
         states = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                   "scheduler": self.scheduler.state_dict(), "trainer_state": trainer_state}
         if self.scaler:

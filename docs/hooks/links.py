@@ -127,6 +127,7 @@ PATH = [
     ("ddp.md", "all of the above composed into one drop-in DistributedDataParallel"),
     ("performance.md", "is a Python reducer as fast as torch's C++ one? measured"),
     ("costmodel.md", "why a step takes as long as it does, and which bucket size to pick"),
+    ("zero.md", "when the model fits but its copies do not: sharding the optimizer state and gradients"),
     ("failures.md", "the ways DDP jobs hang or silently drift, one by one"),
     ("join.md", "the first of them in depth: ranks with uneven inputs"),
     ("desync.md", "collectives that pair up wrong, and how to name the line that did it"),
@@ -165,7 +166,7 @@ API_OF = {
     "desync.md": ["miniddp.process_group.fingerprint", "miniddp.process_group.desync",
                   "miniddp.process_group.debug_backend"],
     "trainer.md": ["miniddp.training.config", "miniddp.training.config_checks", "miniddp.training.trainer",
-                   "miniddp.training.prepare",
+                   "miniddp.training.prepare", "miniddp.training.deepspeed_args",
                    "miniddp.training.reporting", "miniddp.training.report_to",
                    "miniddp.training.trainer_state", "miniddp.training.trainer_checkpoint",
                    "miniddp.training.checkpoint",
@@ -177,6 +178,8 @@ API_OF = {
                      "miniddp.launching.launch_checks", "miniddp.launching.config_command",
                      "miniddp.launching.env_command"],
     "your-framework.md": ["miniddp.drop_in"],
+    "zero.md": ["miniddp.zero.zero_partition", "miniddp.zero.zero_optimizer", "miniddp.zero.gradient_shards",
+                "miniddp.zero.zero_ddp_optimizer", "miniddp.zero.deepspeed_config"],
     "testing.md": ["miniddp.launching.spawn", "miniddp.testing"],
 }
 

@@ -71,35 +71,3 @@ def all_reduce(tensor: torch.Tensor, group) -> torch.futures.Future:
     record("all_reduce", tensor)
     return dist.all_reduce(tensor, group=group, async_op=True).get_future()
 
-
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group) -> torch.futures.Future:
-    """A SUM reduce-scatter of ``input`` (``world_size`` equal chunks) into ``output`` as a future of ``output``,
-    counted. gloo's reduce-scatter ``Work`` has no future: a thread waits for it and completes one."""
-    record("reduce_scatter", input)
-    work = _reduce_scatter_single(output, input, group=group, async_op=True)
-    try:
-        return work.get_future().then(lambda _: output)
-    except RuntimeError:  # "Work::getFuture not implemented" (gloo)
-        future = torch.futures.Future()
-        threading.Thread(target=_complete, args=(work, future, output), daemon=True).start()
-        return future
-
-
-def _complete(work, future: torch.futures.Future, value: torch.Tensor) -> None:
-    try:
-        work.wait()
-    except Exception as error:  # the collective failed or timed out: the waiter sees it
-        future.set_exception(error)
-    else:
-        future.set_result(value)
-
-
-def all_gather(output: torch.Tensor, input: torch.Tensor, group):
-    """``input`` from every rank, concatenated into ``output`` (async; returns the ``Work``), counted."""
-    record("all_gather", input)
-    return _all_gather_single(output, input, group=group, async_op=True)
-
-
-# torch 2.13's names (the older ``*_tensor`` ones warn that they are deprecated)
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

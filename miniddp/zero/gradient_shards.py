@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm_hooks.byte_count import reduce_scatter
+from ..comm_hooks.shard_collectives import reduce_scatter
 from ..engine.bucket_collective import BucketCollective
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm_hooks.byte_count import all_gather
+from ..comm_hooks.shard_collectives import all_gather_pieces
 from ..engine.join import Joinable, JoinHook, Round
 from .gradient_shards import ReduceScatterMean, Shards
 
@@ -65,6 +65,8 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         self.world_size, self.rank = reducer.world_size, dist.get_rank(reducer.group)
         reducer.rebuilt, reducer.rebuild_due = True, False  # the shards are cut from these buckets: keep them
         self.shards = Shards(reducer.buckets, self.rank, self.world_size)
+        self.pieces_of = [self.shards.pieces if r == self.rank else Shards(reducer.buckets, r, self.world_size).pieces
+                          for r in range(self.world_size)]  # pieces_of[rank][bucket]: whose elements are whose
         reducer.collective = ReduceScatterMean(self.shards, self.world_size, frees_gradients=stage == 2)
         self.optim = optimizer_class(self._local_groups(), **defaults)  # steps this rank's pieces only
         self.defaults = self.optim.defaults  # every option (AdamW's betas too), so state_dict() loads anywhere
@@ -95,19 +97,12 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         return loss
 
     def _gather_parameters(self) -> None:
+        """Each bucket's pieces from their owners, every bucket's exchange posted before any is waited for."""
         shards, group = self.shards, self.ddp.reducer.group
-        pending = []
-        for b, bucket in enumerate(shards.buckets):  # every all-gather goes out, then each lands in bucket order
-            mine = bucket.buffer.new_zeros(shards.chunk[b])
-            for piece in shards.pieces[b]:
-                mine[piece.offset : piece.offset + piece.tensor.numel()] = piece.tensor
-            gathered = bucket.buffer.new_empty(shards.chunk[b] * self.world_size)
-            pending.append((bucket, gathered, all_gather(gathered, mine, group)))
-        for bucket, gathered, work in pending:
+        pending = [all_gather_pieces([owner[b] for owner in self.pieces_of], shards.chunk[b], bucket.buffer, group)
+                   for b, bucket in enumerate(shards.buckets)]
+        for work in pending:
             work.wait()
-            with torch.no_grad():
-                for param, value in zip(bucket.params, bucket.split(gathered[: bucket.buffer.numel()])):
-                    param.copy_(value)
     # --8<-- [end:step]
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -1,0 +1,128 @@
+"""ZeRO's two collectives, a reduce-scatter and an all-gather, each sending (N-1)/N of a bucket, counted.
+
+What
+    ``reduce_scatter(output, input, group)``: ``input`` is ``world_size`` equal chunks; rank r's ``output`` is the
+    sum over ranks of their chunk r; returns a future of ``output``. ``all_gather(output, input, group)``: every
+    rank's ``input`` concatenated into ``output``; returns something to ``wait()`` on. Both add their payload to
+    ``count_bytes()`` (``byte_count.py``). On gloo they are direct point-to-point exchanges: every rank sends chunk j
+    to rank j (and receives its own chunk from every rank), or its chunk to every rank, all posted at once with
+    ``dist.batch_isend_irecv``; a thread waits for the receives and completes the future. On NCCL and others, torch's
+    ``reduce_scatter_single`` / ``all_gather_single``.
+
+Why
+    ZeRO's promise is that a reduce-scatter plus an all-gather cost what one all-reduce costs: (N-1)/N of the bucket
+    each, per rank. gloo's own ``reduce_scatter`` sends an all-reduce's bytes (it reduces everything, then keeps a
+    chunk), its ``Work`` has no future, and it and gloo's ``all_gather`` are slower than its all-reduce on loopback;
+    the direct exchange sends (N-1)/N and each rank adds only its own chunk. Same bytes per rank as a ring; N-1
+    messages per rank at once rather than N-1 steps in sequence, so nothing waits on a previous step.
+
+How torch differs
+    ``torch.distributed.reduce_scatter_tensor`` on gloo (``ProcessGroupGloo``) is what we avoid here; NCCL's ring
+    reduce-scatter and all-gather are bandwidth-optimal and used as they are. DeepSpeed calls
+    ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` (``deepspeed/comm``), on NCCL in practice.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+from .byte_count import record
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group) -> torch.futures.Future:
+    """Rank r's ``output`` = the sum over ranks of chunk r of their ``input``; a future of ``output``, counted."""
+    record("reduce_scatter", input)
+    if dist.get_backend(group) != "gloo":
+        return _reduce_scatter_single(output, input, group=group, async_op=True).get_future().then(lambda _: output)
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunks, received = input.view(n, -1), input.new_empty(max(n - 1, 0), output.numel())
+    ops = []
+    for k in range(1, n):  # to rank + k its chunk, from rank - k our chunk (every pair's messages in one order)
+        ops.append(dist.P2POp(dist.isend, chunks[(rank + k) % n], _peer(group, (rank + k) % n), group))
+        ops.append(dist.P2POp(dist.irecv, received[k - 1], _peer(group, (rank - k) % n), group))
+    works = dist.batch_isend_irecv(ops) if ops else []
+    mine = chunks[rank]
+    future = torch.futures.Future()
+
+    def complete():
+        try:
+            for work in works:
+                work.wait()
+            torch.sum(torch.cat([mine.unsqueeze(0), received]), dim=0, out=output)
+        except Exception as error:  # a peer failed or timed out: whoever waits on the future sees it
+            future.set_exception(error)
+        else:
+            future.set_result(output)
+    threading.Thread(target=complete, daemon=True).start()
+    return future
+
+
+class _Works:
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        return True
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group):
+    """``input`` from every rank, concatenated into ``output``; returns what to ``wait()`` on, counted."""
+    record("all_gather", input)
+    if dist.get_backend(group) != "gloo":
+        return _all_gather_single(output, input, group=group, async_op=True)
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    slots = output.view(n, -1)
+    slots[rank].copy_(input)
+    ops = []
+    for k in range(1, n):
+        ops.append(dist.P2POp(dist.isend, input, _peer(group, (rank + k) % n), group))
+        ops.append(dist.P2POp(dist.irecv, slots[(rank - k) % n], _peer(group, (rank - k) % n), group))
+    return _Works(dist.batch_isend_irecv(ops) if ops else [])
+
+
+def all_gather_pieces(pieces_by_rank: list[list], chunk: int, like: torch.Tensor, group):
+    """One bucket's parameters from their owners: ``pieces_by_rank[r]`` are rank r's pieces of the bucket (each with
+    ``.tensor``, a view of a parameter, and ``.offset`` in the chunk of ``chunk`` elements); after ``wait()`` every
+    piece holds its owner's values. gloo: each piece sent straight from the owner's parameter into the others'
+    (no flat copy on either side); elsewhere one ``all_gather`` of the chunks, copied into the pieces."""
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    if dist.get_backend(group) != "gloo":
+        mine = like.new_zeros(chunk)
+        for piece in pieces_by_rank[rank]:
+            mine[piece.offset : piece.offset + piece.tensor.numel()] = piece.tensor
+        gathered = like.new_empty(chunk * n)
+        return _Landing(all_gather(gathered, mine, group), gathered.view(n, chunk), pieces_by_rank, rank)
+    record("all_gather", like.new_empty(1).expand(chunk))  # counted as a chunk, sent from the pieces
+    ops = []
+    for k in range(1, n):  # every pair's messages in one order: the owner's pieces, in piece order
+        to, source = (rank + k) % n, (rank - k) % n
+        ops += [dist.P2POp(dist.isend, piece.tensor, _peer(group, to), group) for piece in pieces_by_rank[rank]]
+        ops += [dist.P2POp(dist.irecv, piece.tensor, _peer(group, source), group) for piece in pieces_by_rank[source]]
+    return _Works(dist.batch_isend_irecv(ops) if ops else [])
+
+
+class _Landing:
+    def __init__(self, work, rows, pieces_by_rank, rank):
+        self.work, self.rows, self.pieces_by_rank, self.rank = work, rows, pieces_by_rank, rank
+
+    def wait(self) -> bool:
+        self.work.wait()
+        with torch.no_grad():
+            for r, pieces in enumerate(self.pieces_by_rank):
+                for piece in pieces if r != self.rank else ():
+                    piece.tensor.copy_(self.rows[r][piece.offset : piece.offset + piece.tensor.numel()])
+        return True
+
+
+def _peer(group, group_rank: int) -> int:
+    return dist.get_global_rank(group, group_rank)  # P2POp wants the global rank
+
+
+# torch 2.13's names (the older ``*_tensor`` ones warn that they are deprecated)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -1,6 +1,7 @@
 """DDP's memory per rank, measured on CPU, and what ZeRO / FSDP would shard instead.
 
 Run:  python benchmarks/memory.py [--steps 3] [--batch 32]
+      python benchmarks/memory.py --zero [zero_memory.py's options]   (ZeRO stages 0-2 on 1-4 ranks instead)
 
 DDP keeps a *full* copy of everything on every rank: parameters, gradients,
 optimizer state, plus the flat bucket buffers the all-reduce works on. This
@@ -29,7 +30,11 @@ How, with no ``torch.cuda.max_memory_allocated`` on a CPU:
    the same few MB (autograd, gloo, Python objects) for every variant, so the
    bucket bytes that malloc sees in torch's C++ are what the log says.
 
-Writes ``benchmarks/results/memory.json`` and ``docs/img/memory.svg``.
+Writes ``benchmarks/results/memory.json`` and ``docs/img/memory.svg``. ``--zero`` runs
+``benchmarks/zero_memory.py`` instead: ZeRO stages 0, 1 and 2 (miniddp's ``ZeroOptimizer``) and torch's
+stage 1 on 1 to 4 ranks, counted with ``count_storages`` beside ``zero_bytes_per_rank``, and the peak during
+training from malloc's high-water mark. It is a script of its own (another model, another axis: world size,
+one process pair per variant since the mark only rises); this file keeps what the tests import.
 Activations are not included: they are freed by the end of the step, and
 depend on the batch, not on DDP.
 """
@@ -75,11 +80,16 @@ class _Mallinfo2(ctypes.Structure):
                  "keepcost")]
 
 
-def malloc_in_use() -> int:
-    """Bytes glibc's malloc has handed out and not had back: heap chunks in use + mmapped chunks."""
+def malloc_info() -> _Mallinfo2:
+    """glibc's ``mallinfo2()``: ``uordblks`` heap bytes in use, ``hblkhd`` mmapped bytes in use (all arenas)."""
     libc = ctypes.CDLL(None)
     libc.mallinfo2.restype = _Mallinfo2
-    info = libc.mallinfo2()
+    return libc.mallinfo2()
+
+
+def malloc_in_use() -> int:
+    """Bytes glibc's malloc has handed out and not had back: heap chunks in use + mmapped chunks."""
+    info = malloc_info()
     return info.uordblks + info.hblkhd
 
 
@@ -263,9 +273,16 @@ def plot(results: list[dict], path: Path, ranks=(2, 8)) -> None:
 def main(argv=None):
     from miniddp.launching.spawn import run_on_ranks
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--zero" in argv:  # ZeRO's stages on 1-4 ranks: benchmarks/zero_memory.py, with the remaining options
+        sys.path.insert(0, str(HERE))
+        import zero_memory
+
+        return zero_memory.main([a for a in argv if a != "--zero"])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--zero", action="store_true", help="run benchmarks/zero_memory.py (ZeRO stages 0-2)")
     args = parser.parse_args(argv)
     results = []
     for label, impl, as_view, optimizer in VARIANTS:

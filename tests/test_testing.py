@@ -27,6 +27,17 @@ def test_results_come_back_in_rank_order(world_size):
     assert results == [(r + 100, world_size, total, 1, str(r), r) for r in range(world_size)]
 
 
+def _initialised_ranks(rank, world_size):
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    return int(store.get("miniddp/initialised")) if store.check(["miniddp/initialised"]) else None
+
+
+def test_no_rank_runs_its_function_before_every_rank_has_joined():
+    # gloo's handshake is asymmetric: without this wait, a rank that returns at once can end its process
+    # while a peer is still connecting, and the peer fails with "Connection closed by peer"
+    assert run_on_ranks(_initialised_ranks, 3, timeout=60) == [3, 3, 3]
+
+
 def _rank_one_asserts(rank, world_size):
     assert rank != 1, "rank one disagrees"
     dist.barrier()  # rank 0 waits here for a rank that already died

@@ -21,6 +21,7 @@ import yaml
 from miniddp.launching.accelerate_config import default_config_file, read_config
 from miniddp.launching.config_command import main as config_main
 from miniddp.launching.env_command import report
+from miniddp.training.deepspeed_args import accelerate_variables
 
 MINIDDP = [sys.executable, "-m", "miniddp.__main__"]
 
@@ -62,6 +63,7 @@ def test_the_questionnaire_asks_again_after_a_wrong_answer_and_writes_what_launc
                "5", "1",  # this machine's rank: 5 is out of range for 2 machines
                "", "10.0.0.1",  # the main process's IP has no default
                "",  # its port: the default
+               "",  # DeepSpeed: no (the default)
                "",  # processes: the default (one per machine)
                "3", "2"]  # mixed precision: 3 is no option; bf16
     shown = _typed([*MINIDDP, "config", "--config_file", str(path)], answers, {**os.environ, "HF_HOME": str(tmp_path)})
@@ -76,6 +78,55 @@ def test_the_questionnaire_asks_again_after_a_wrong_answer_and_writes_what_launc
     theirs = accelerate.load_config_from_file(str(path))
     assert (theirs.distributed_type.value, theirs.num_machines, theirs.machine_rank, theirs.mixed_precision) == (
         "MULTI_CPU", 2, 1, "bf16")
+
+
+def test_deepspeed_answers_write_the_block_that_accelerate_launch_and_miniddp_launch_read_alike(tmp_path):
+    path = tmp_path / "zero.yaml"
+    answers = ["", "1", "",  # this machine, multi-CPU, one machine
+               "maybe", "y",  # DeepSpeed: "maybe" is no answer; yes
+               "",  # no DeepSpeed JSON: the questions
+               "3", "",  # the stage: 3 is not offered here; Enter takes 2
+               "0", "4",  # accumulation steps: at least 1
+               "yes", "-1", "0.5",  # clipping: a negative value refused
+               "2",  # processes
+               "1", "2"]  # mixed precision: fp16 refused with ZeRO stage 2; bf16
+    shown = _typed([*MINIDDP, "config", "--config_file", str(path)], answers, {**os.environ, "HF_HOME": str(tmp_path)})
+    assert shown.count("try again") == 5, shown
+    cfg = read_config(path)
+    assert (cfg["distributed_type"], cfg["num_processes"], cfg["mixed_precision"]) == ("DEEPSPEED", 2, "bf16")
+    assert cfg["deepspeed_config"] == {"zero_stage": 2, "gradient_accumulation_steps": 4, "gradient_clipping": 0.5,
+                                       "zero3_init_flag": False}
+    ours = accelerate_variables(cfg["deepspeed_config"], str(path))
+    dry = subprocess.run([*MINIDDP, "launch", "--config_file", str(path), "--dry_run", "-m", "miniddp.train",
+                          "--output_dir", str(tmp_path / "out")], capture_output=True, text=True)
+    assert dry.returncode == 0, dry.stderr
+    assert all(f"{name}={value}" in dry.stdout.split() for name, value in ours.items()), dry.stdout
+    assert dry.stdout.split(" -m miniddp.train ")[1].split()[-4:] == ["--gradient_accumulation_steps", "4",
+                                                                     "--max_grad_norm", "0.5"]
+    commands = pytest.importorskip("accelerate.commands.launch", reason="accelerate is not installed")
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env
+
+    args, defaults, _ = commands._validate_launch_command(  # Accelerate's own launcher, on the same file
+        commands.launch_command_parser().parse_args(["--config_file", str(path), "x.py"]))
+    args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)
+    theirs = prepare_deepspeed_cmd_env(args)[1]
+    assert ours == {k: v for k, v in theirs.items() if k in ours} and ours["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "2"
+
+
+def test_a_deepspeed_json_is_checked_when_it_is_named_and_asked_again(tmp_path, monkeypatch, capsys):
+    (tmp_path / "stage3.json").write_text('{"zero_optimization": {"stage": 3}}')
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 1}, "gradient_accumulation_steps": "auto"}')
+    path = tmp_path / "json.yaml"
+    monkeypatch.chdir(tmp_path)
+    pending = _answer(monkeypatch, ["", "1", "", "y", "y",  # multi-CPU, DeepSpeed with a JSON
+                                    str(tmp_path / "none.json"), "stage3.json", "ds.json",  # missing; stage 3; good
+                                    "2"])  # processes; mixed precision is the JSON's, not asked
+    assert config_main(["--config_file", str(path)]) == 0 and not pending
+    shown = capsys.readouterr().out
+    assert shown.count("try again") == 2 and "zero_optimization.stage" in shown, shown
+    cfg = read_config(path)
+    assert cfg["deepspeed_config"] == {"deepspeed_config_file": str(tmp_path / "ds.json"), "zero3_init_flag": False}
+    assert "mixed_precision" not in yaml.safe_load(path.read_text())  # as Accelerate writes it: the JSON says
 
 
 def test_default_writes_where_accelerate_looks_never_overwrites_and_launch_reads_it(tmp_path):
@@ -182,7 +233,7 @@ def test_default_with_an_unwritable_hf_home_is_one_line(tmp_path, monkeypatch, c
 
 def test_when_the_write_fails_after_the_answers_they_are_printed(tmp_path, monkeypatch, capsys):
     path = tmp_path / "mine.yaml"
-    _answer(monkeypatch, ["", "1", "", "", ""], on_last=path.mkdir)  # the place turns into a folder meanwhile
+    _answer(monkeypatch, ["", "1", "", "", "", ""], on_last=path.mkdir)  # the place turns into a folder meanwhile
     assert config_main(["--config_file", str(path)]) == 1  # before: IsADirectoryError, the answers lost
     out, err = capsys.readouterr()
     assert len(err.splitlines()) == 1 and str(path) in err
@@ -198,6 +249,7 @@ def test_numbers_are_ascii_and_bounded_and_the_host_an_address_or_ascii_name(tmp
                not_utf8, "0",  # this machine's rank, after a line that was not UTF-8
                "1.2.3.\udcff", "1.2.3.400", "10.0.0.1",  # a byte that is not UTF-8 (surrogate-escaped); no address
                "\u0662\u0669\u0665\u0660\u0660", "",  # the port in Arabic-Indic digits; the default
+               "",  # DeepSpeed: no
                "3", "10000",  # processes: 3 is not a multiple of 2 machines; 10000 on a small machine is allowed
                ""]  # mixed precision: no
     pending = _answer(monkeypatch, answers)

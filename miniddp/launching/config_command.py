@@ -3,8 +3,10 @@
 What
     ``miniddp config [--config_file F]`` asks what ``accelerate config`` asks of a local machine: the
     compute environment, the kind of machine (no distributed training, multi-CPU, multi-GPU), the
-    number of machines and this one's rank, the main process's IP address and port, the number of
-    processes, CPU only, mixed precision. Defaults are in brackets; Enter takes them; a bad answer
+    number of machines and this one's rank, the main process's IP address and port, CPU only,
+    DeepSpeed (``distributed_type: DEEPSPEED``: miniddp's own ZeRO, stage 0-2, or a DeepSpeed JSON
+    whose keys are checked as it is named), the number of processes, mixed precision (not fp16 with
+    ZeRO stage 1 or 2, which the trainer refuses). Defaults are in brackets; Enter takes them; a bad answer
     is explained and asked again: numbers in the digits 0-9 and within what torch and Linux can run
     (``launch_checks.py``), the host an IP address or an ASCII name. ``F`` is checked before the first
     question. It writes Accelerate's YAML to ``F``, or to Accelerate's default
@@ -18,8 +20,10 @@ Why
     launch``; a user of miniddp should not have to write the YAML by hand.
 
 How Accelerate differs
-    ``accelerate/commands/config/cluster.py`` asks about many more engines (DeepSpeed, FSDP, TPUs,
-    dynamo) and picks options with the arrow keys; here an option is picked by its number. It reads
+    ``accelerate/commands/config/cluster.py`` asks about many more engines (FSDP, TPUs, dynamo), and
+    of DeepSpeed also stage 3 and offloading, which miniddp does not run (it does not offer DeepSpeed
+    on a multi-CPU machine; miniddp's ZeRO runs there on gloo). It picks options with the arrow keys;
+    here an option is picked by its number. It reads
     numbers with ``int`` and finds an unwritable path only when it writes, after the last answer.
 """
 
@@ -30,9 +34,12 @@ import sys
 
 import yaml
 
+from ..training.deepspeed_args import accelerate_variables
 from .accelerate_config import default_config_file, default_config_source, write_config
 from .launch_checks import MAX_PER_MACHINE, MAX_PROCESSES, OneLineParser, host, unwritable, whole_number
 
+STAGES = ("0: DDP, nothing sharded", "1: the optimizer state sharded", "2: the gradients sharded too")  # by number
+PRECISIONS = ("no", "fp16", "bf16")
 MACHINE_TYPES = (("No distributed training", "NO"), ("multi-CPU", "MULTI_CPU"), ("multi-GPU", "MULTI_GPU"))
 
 
@@ -53,12 +60,21 @@ def ask(prompt: str, convert=str, default=None, error: str = ""):
             print(f"{error or err} (you typed {answer!r}); try again")
 
 
-def ask_option(question: str, options, default: int = 0) -> int:
+def ask_option(question: str, options, default: int = 0, refused=lambda option: "") -> int:
+    """The number of an option; ``refused(option)`` says why one cannot be taken here (else "")."""
     print(question)
     for i, option in enumerate(options):
         print(f" [{i}] {option}")
-    return ask(f"Type its number [{default}]: ", _number(0, len(options) - 1), default,
-               f"type a number from 0 to {len(options) - 1}")
+
+    def convert(answer: str) -> int:
+        try:
+            index = _number(0, len(options) - 1)(answer)
+        except ValueError:
+            raise ValueError(f"type a number from 0 to {len(options) - 1}") from None
+        if refused(options[index]):
+            raise ValueError(refused(options[index]))
+        return index
+    return ask(f"Type its number [{default}]: ", convert, default)
 
 
 def _number(low: int, high: int, multiple_of: int = 1):
@@ -103,16 +119,56 @@ def questionnaire() -> dict:
     if kind == "NO":
         cfg["num_processes"] = 1
     else:
+        cfg.update(deepspeed_questions())  # distributed_type: DEEPSPEED and its deepspeed_config block, or nothing
         # as many on every machine, and no more than Linux holds on one (more than its cores: launch says so)
         per, most = cfg["num_machines"], min(MAX_PROCESSES, cfg["num_machines"] * MAX_PER_MACHINE)
         cfg["num_processes"] = ask(f"How many processes in total will you use (over all machines)? [{per}]: ",
                                    _number(per, most, per), per, f"type a multiple of {per} (as many on each "
                                    f"machine) from {per} to {most} (at most {MAX_PER_MACHINE} per machine)")
-    precisions = ["no", "fp16", "bf16"]
-    cfg["mixed_precision"] = precisions[ask_option("Do you wish to use mixed precision?", precisions)]
+    block = cfg.get("deepspeed_config", {})
+    if "deepspeed_config_file" not in block:  # else the JSON's fp16/bf16 blocks say it, and it is not asked
+        zero = block.get("zero_stage", 0) > 0
+        cfg["mixed_precision"] = PRECISIONS[ask_option(
+            "Do you wish to use mixed precision?", PRECISIONS, refused=lambda option: zero and option == "fp16" and
+            "fp16 cannot run with ZeRO stage 1 or 2 (GradScaler unscales .grad, which ZeRO leaves None): pick no "
+            "or bf16")]
     return {**cfg, "debug": False, "downcast_bf16": "no", "main_training_function": "main",
             "rdzv_backend": "static", **({} if cfg["use_cpu"] else {"gpu_ids": "all"})}
 # --8<-- [end:questions]
+
+
+def deepspeed_questions() -> dict:
+    """Accelerate's DeepSpeed questions, for what miniddp's ZeRO runs: a DeepSpeed JSON (checked now), or the
+    stage (0-2; no offload, no stage 3), accumulation and clipping. {} when the answer is no."""
+    if not ask("Do you want to use DeepSpeed's ZeRO (run by miniddp's own engine, stages 0-2; not DeepSpeed)? "
+               "[yes/NO]: ", _yes_no, False):
+        return {}
+    if ask("Do you want to specify a json file to a DeepSpeed config? [yes/NO]: ", _yes_no, False):
+        path = ask("Please enter the path to the json DeepSpeed config file: ", _deepspeed_file)
+        return {"distributed_type": "DEEPSPEED", "deepspeed_config": {"deepspeed_config_file": path,
+                                                                      "zero3_init_flag": False}}
+    stage = ask_option("What should be your DeepSpeed's ZeRO optimization stage? (3 is DeepSpeed's, not here)",
+                       STAGES, default=2)
+    block = {"zero_stage": stage, "gradient_accumulation_steps": ask(
+        "How many gradient accumulation steps you're passing in your script? [1]: ", _number(1, 2**31 - 1), 1)}
+    if ask("Do you want to use gradient clipping? [yes/NO]: ", _yes_no, False):
+        block["gradient_clipping"] = ask("What is the gradient clipping value? [1.0]: ", _clipping, 1.0)
+    return {"distributed_type": "DEEPSPEED", "deepspeed_config": {**block, "zero3_init_flag": False}}
+
+
+def _deepspeed_file(answer: str) -> str:
+    """A DeepSpeed JSON miniddp can run, by its key names (``training/deepspeed_args.py``): else ValueError."""
+    if not os.path.isfile(answer):
+        raise ValueError(f"no file at {answer!r}: give the path of a DeepSpeed config JSON (ds_config.json)")
+    accelerate_variables({"deepspeed_config_file": answer}, "the DeepSpeed config file")
+    return os.path.abspath(answer)
+
+
+def _clipping(answer: str) -> float:
+    value = float(answer)
+    if not value >= 0 or value == float("inf"):
+        raise ValueError("type a number >= 0 (0: no clipping)")
+    return value
 
 
 def basic_config(mixed_precision: str = "no") -> dict:

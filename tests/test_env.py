@@ -1,6 +1,7 @@
 """Rendezvous: one DistEnv from torchrun's variables, SLURM's, or none; init_distributed."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -94,6 +95,25 @@ def test_init_distributed_joins_a_torchrun_style_job():
     for rank, (r, ws, source, backend, addr, total, pg_size) in enumerate(results):
         assert (r, ws, source, backend, addr) == (rank, 3, "torchrun", "gloo", "127.0.0.1")
         assert total == 0 + 1 + 2 and pg_size == 3
+
+
+def _init_slowly_on_rank_one(rank, world_size):
+    init = dist.init_process_group
+
+    def slow(*args, **kwargs):  # rank 1 comes out of init 2 s after its peers could: gloo's uneven handshake
+        init(*args, **kwargs)
+        time.sleep(2)
+        dist.distributed_c10d._get_default_store().set("test/rank1_initialised", "1")
+    if rank == 1:
+        dist.init_process_group = slow
+    miniddp.init_distributed(backend="gloo", timeout=30)
+    return dist.distributed_c10d._get_default_store().check(["test/rank1_initialised"])
+
+
+def test_init_distributed_returns_once_every_rank_has_initialised():
+    # without the barrier, rank 0 returns (and may finish its script and exit, closing its sockets) while
+    # rank 1 is still inside init: in CI a peer then failed with "Connection closed by peer"
+    assert run_on_ranks(_init_slowly_on_rank_one, 2, init=False, timeout=60) == [True, True]
 
 
 def _init_alone(rank, world_size):

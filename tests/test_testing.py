@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 from miniddp.launching.spawn import RankError, RankTimeout, run_on_ranks
+from miniddp.process_group import monitored_barrier as monitored_barrier_module
 
 
 def _rank_info(rank, world_size, offset):
@@ -29,7 +30,8 @@ def test_results_come_back_in_rank_order(world_size):
 
 def _initialised_ranks(rank, world_size):
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-    return int(store.get("miniddp/initialised")) if store.check(["miniddp/initialised"]) else None
+    arrived = f"mb/{monitored_barrier_module._barrier_calls}"  # the harness's barrier after init: its keys
+    return sum(store.check([f"{arrived}/{r}"]) for r in range(world_size))
 
 
 def test_no_rank_runs_its_function_before_every_rank_has_joined():
@@ -283,6 +285,7 @@ def _descendants_then_sleep(rank, world_size, pid_dir):
 CALLER = """
 import sys
 sys.path.insert(0, {tests!r})
+from miniddp.process_group import monitored_barrier as monitored_barrier_module
 from miniddp.launching.spawn import run_on_ranks
 from test_testing import _descendants_then_sleep
 

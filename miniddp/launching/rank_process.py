@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ..process_group.clean_exit import destroy_process_group
+from ..process_group.monitored_barrier import monitored_barrier
 
 STACK_SIGNAL = signal.SIGUSR1  # the parent's "where are you?" to a rank it is about to kill
 
@@ -148,19 +149,6 @@ def _frame(file, line, fn, source) -> str:
     return f"{fn} ({file}:{line}): {source}" if source else f"{fn} ({file}:{line})"
 
 
-def wait_for_every_rank(store, world_size: int) -> None:
-    """Return once every rank's ``init_process_group`` has returned.
-
-    gloo's mesh connects asymmetrically: a rank can come out of ``init_process_group`` while a peer
-    is still finishing its handshake. A rank that then returns at once (and ends its process) makes
-    that peer fail with "Connection closed by peer". torch's own store barrier at the end of
-    ``init_process_group`` is off by default (``TORCH_DIST_INIT_BARRIER``); this is that barrier.
-    """
-    if store.add("miniddp/initialised", 1) == world_size:
-        store.set("miniddp/every_rank_initialised", "1")
-    store.wait(["miniddp/every_rank_initialised"])
-
-
 # --8<-- [start:worker]
 def run_rank(rank, world_size, fn, args, kwargs, conn, lifeline, inherited, host, backend, init, pg_timeout,
              stack_file=None):
@@ -180,7 +168,7 @@ def run_rank(rank, world_size, fn, args, kwargs, conn, lifeline, inherited, host
                 torch.cuda.set_device(rank)
             store = dist.TCPStore(host, port, world_size, is_master=False, timeout=pg_timeout)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout)
-            wait_for_every_rank(store, world_size)
+            monitored_barrier(pg_timeout, store=store)  # every rank's init has returned (as init_distributed)
         result = fn(rank, world_size, *args, **kwargs)
         # plain pickle copies tensors into the message; multiprocessing's own pickler would
         # share their memory through a file descriptor that dies with this process

@@ -22,7 +22,12 @@ How torch differs
     (``torch/distributed/rendezvous.py``); SLURM users usually run torchrun inside
     ``srun``, or translate by hand (Lightning's ``SLURMEnvironment`` does it as we
     do). torchrun takes precedence here: under ``srun ... torchrun`` the SLURM
-    variables describe the *node* task, torchrun's the process.
+    variables describe the *node* task, torchrun's the process. ``init_process_group``
+    returns without a barrier unless ``TORCH_DIST_INIT_BARRIER=1``, and gloo's mesh
+    handshake ends unevenly: a rank can return, finish its script and exit while a peer
+    is still connecting, and the peer fails with "Connection closed by peer". So
+    ``init_distributed`` returns only once every rank's init has (a store barrier that
+    names the ranks that never arrive, ``monitored_barrier.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from . import debug_backend  # MINIDDP_DEBUG=collectives: the collective-desync 
 from .backend import default_device_kind, device_for_local_rank, select_backend
 from .clean_exit import destroy_at_exit
 from .elastic_agent import die_with_launcher, restart_scoped_store
+from .monitored_barrier import monitored_barrier
 from .slurm import parse_slurm_nodelist, parse_slurm_tasks_per_node
 from .timeouts import DEFAULT_TIMEOUT_S, as_timedelta
 
@@ -174,6 +180,8 @@ def init_distributed(backend: str = "auto", timeout=DEFAULT_TIMEOUT_S, env: Dist
         kwargs["backend"] = debug_backend.register(name)
         kwargs.pop("device_id", None)  # a Python group binds no device: NCCL connects at its first collective
     dist.init_process_group(**kwargs)
+    if env.world_size > 1:  # torch's own end-of-init barrier is off by default (TORCH_DIST_INIT_BARRIER=0)
+        monitored_barrier(kwargs["timeout"])  # gloo's mesh handshake ends unevenly: see the module docstring
     destroy_at_exit()  # gone before interpreter teardown, even if the script never destroys it
     return replace(env, backend=name, device=device)
 # --8<-- [end:init_distributed]

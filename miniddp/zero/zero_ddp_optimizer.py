@@ -30,6 +30,8 @@ How torch and DeepSpeed differ
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -113,18 +115,20 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
     # --8<-- [start:clip]
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` of the whole averaged gradient, from the shards: each rank's sum of
-        squares, summed over ranks (one all-reduce), then each shard scaled. Returns the total norm. (torch's
-        function on ``model.parameters()`` sees no ``.grad`` here: call this one.)"""
+        squares, summed over ranks (one all-reduce), then each shard scaled. Returns the total norm, in the
+        parameters' promoted dtype as torch's is, and the coefficient is computed from it as torch computes it.
+        (torch's function on ``model.parameters()`` sees no ``.grad`` here: call this one.)"""
         grads = [p.grad for p in self._pieces() if p.grad is not None]
         device = self.shards.buckets[0].buffer.device
         squares = torch.stack([g.double().square().sum() for g in grads]).sum() if grads else \
             torch.zeros((), dtype=torch.float64, device=device)
         dist.all_reduce(squares, group=self.ddp.reducer.group)
-        norm = squares.sqrt()
-        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        dtypes = [p.dtype for group in self.param_groups for p in group["params"] if p.requires_grad]
+        norm = squares.sqrt().to(functools.reduce(torch.promote_types, dtypes, dtypes[0] if dtypes else torch.float32))
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch's arithmetic, in the norm's dtype
         for g in grads:
             g.mul_(coefficient.to(g.dtype))
-        return norm.float()
+        return norm
     # --8<-- [end:clip]
 
     def _pieces(self) -> list[torch.Tensor]:

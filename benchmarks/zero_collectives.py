@@ -9,13 +9,14 @@ Two gloo ranks, a bucket of the 6x1024 GELU MLP's size (5,521,418 fp32 elements,
 * the gradient: ``all_reduce`` in place (DDP's); gloo's ``reduce_scatter_tensor`` (what ZeroOptimizer called on
   gloo before ``comm_hooks/shard_collectives.py``); the direct reduce-scatter that ZeroOptimizer calls on gloo
   now (``shard_collectives.reduce_scatter``: every chunk sent to its rank with ``batch_isend_irecv``, a thread
-  waits and sums this rank's chunk); ``all_to_all_single`` and a sum of the received chunks (the same bytes
+  waits and sums this rank's chunk), in messages of at most ``SEGMENT_BYTES``, and the same with each chunk one
+  message; ``all_to_all_single`` and a sum of the received chunks (the same bytes
   through one gloo collective);
 * the parameters: gloo's ``all_gather_into_tensor`` into a flat buffer (what ZeroOptimizer called on gloo
   before); the direct all-gather ZeroOptimizer calls on gloo now (``shard_collectives.all_gather_pieces``: each
   piece sent from its owner's parameter straight into the other rank's, here the step-time model's 14
-  parameters); one asynchronous ``broadcast`` per rank of its chunk (torch's ``ZeroRedundancyOptimizer``
-  broadcasts per parameter).
+  parameters), segmented, and the same with each piece one message; one asynchronous ``broadcast`` per rank of
+  its chunk (torch's ``ZeroRedundancyOptimizer`` broadcasts per parameter).
 
 The operations take turns, one at a time from a barrier, ``--reps`` rounds in an order that rotates; each time is
 the slower rank's; the table shows medians. ``loopback`` runs the ranks on this machine; ``1`` in the net lab's
@@ -54,6 +55,7 @@ def parameters() -> list[torch.Tensor]:
 
 def operations(rank: int, n: int) -> dict:
     """name -> a function running that collective once on one bucket."""
+    from miniddp.comm_hooks import shard_collectives
     from miniddp.comm_hooks.shard_collectives import all_gather_pieces, reduce_scatter
     from miniddp.zero.gradient_shards import Shards
 
@@ -75,15 +77,26 @@ def operations(rank: int, n: int) -> dict:
         for work in works:
             work.wait()
 
+    def whole(run):  # the direct exchange as it was first written: one message per tensor, not segmented
+        def unsegmented():
+            segment, shard_collectives.SEGMENT_BYTES = shard_collectives.SEGMENT_BYTES, 2**62
+            try:
+                run()
+            finally:
+                shard_collectives.SEGMENT_BYTES = segment
+        return unsegmented
+
+    direct_rs = lambda: reduce_scatter(torch.empty(size), flat, dist.group.WORLD).wait()  # noqa: E731
+    direct_ag = lambda: all_gather_pieces(pieces_by_rank, size, flat, dist.group.WORLD).wait()  # noqa: E731
     return {
         "gradient: all_reduce (DDP)": lambda: dist.all_reduce(flat),
         "gradient: gloo's reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(torch.empty(size), flat),
-        "gradient: direct reduce-scatter, chunks sent to their ranks (ZeroOptimizer on gloo)":
-            lambda: reduce_scatter(torch.empty(size), flat, dist.group.WORLD).wait(),
+        "gradient: direct reduce-scatter, chunks sent to their ranks (ZeroOptimizer on gloo)": direct_rs,
+        "gradient: the same, each chunk one message (not segmented)": whole(direct_rs),
         "gradient: all_to_all_single + sum": all_to_all_and_sum,
         "parameters: gloo's all_gather_into_tensor": lambda: dist.all_gather_into_tensor(torch.empty(size * n), mine),
-        "parameters: direct all-gather, pieces sent into 14 parameters (ZeroOptimizer on gloo)":
-            lambda: all_gather_pieces(pieces_by_rank, size, flat, dist.group.WORLD).wait(),
+        "parameters: direct all-gather, pieces sent into 14 parameters (ZeroOptimizer on gloo)": direct_ag,
+        "parameters: the same, each piece one message (not segmented)": whole(direct_ag),
         "parameters: one broadcast per rank's chunk": broadcasts,
     }
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import miniddp
-from miniddp.comm_hooks import count_bytes
+from miniddp.comm_hooks import count_bytes, shard_collectives
 from miniddp.comm_hooks.default_hooks import allreduce_hook
 from miniddp.diagnostics.trace import Tracer
 from miniddp.engine.join import Join
@@ -119,6 +119,7 @@ def _session(rank, world, tmp):
     out["bytes"] = _bytes(world)
     out["state_dict"] = _state_dict(rank, world, tmp)
     out["order"] = _launch_order(rank)
+    out["segments"] = _segmented(rank)
     if world == 4:
         out["few"] = _few_parameters(rank)
     if world == 2:
@@ -154,6 +155,42 @@ def _launch_order(rank):
     last_gradient = max(e["t"] for e in events if e["name"] == "grad ready")
     return {"order": [e["bucket"] for e in launched], "buckets": len(ddp.reducer.buckets),
             "overlapped": launched[0]["t"] < last_gradient}
+
+
+def _segmented(rank):
+    """Stages 1 and 2 with the direct exchanges cut into 12-byte messages, against the same runs uncut: how many
+    messages each posted, and whether the parameters came out bitwise the same."""
+    def run(stage):
+        ddp = miniddp.DistributedDataParallel(Net(rank), bucket_cap_mb=CAP_MB)
+        zero = miniddp.ZeroOptimizer(ddp, torch.optim.AdamW, stage=stage, lr=0.01)
+        for step in range(STEPS):
+            ddp(_batch(step, 0, rank)).backward()
+            zero.step()
+            zero.zero_grad()
+        return torch.cat([p.detach().double().flatten() for p in ddp.parameters()])
+
+    posted, batch = [0], dist.batch_isend_irecv
+
+    def counting(ops):
+        posted[0] += len(ops)
+        return batch(ops)
+    out = {}
+    dist.batch_isend_irecv = counting
+    try:
+        for stage in (1, 2):
+            posted[0] = 0
+            whole = run(stage)
+            messages = posted[0]
+            segment, shard_collectives.SEGMENT_BYTES = shard_collectives.SEGMENT_BYTES, 12
+            try:
+                posted[0] = 0
+                cut = run(stage)
+            finally:
+                shard_collectives.SEGMENT_BYTES = segment
+            out[stage] = {"messages": (messages, posted[0]), "bitwise": torch.equal(whole, cut)}
+    finally:
+        dist.batch_isend_irecv = batch
+    return out
 
 
 def _few_parameters(rank):
@@ -345,6 +382,15 @@ def test_reduce_scatters_go_out_in_bucket_order_while_backward_still_runs(sessio
         order = result["order"]
         assert order["order"] == list(range(order["buckets"])) and order["buckets"] > 1
         assert order["overlapped"]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_the_direct_exchanges_cut_into_segments_train_bitwise_as_uncut(sessions, world):
+    for result in sessions[world]:
+        for stage, seen in result["segments"].items():
+            whole, cut = seen["messages"]
+            assert cut > 2 * whole > 0, stage  # the messages really were cut
+            assert seen["bitwise"], stage  # a send and its receive cut alike: the same values land
 
 
 def test_ranks_that_own_nothing_still_train_what_ddp_trains(sessions):

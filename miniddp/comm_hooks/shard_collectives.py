@@ -6,8 +6,9 @@ What
     rank's ``input`` concatenated into ``output``; returns something to ``wait()`` on. Both add their payload to
     ``count_bytes()`` (``byte_count.py``). On gloo they are direct point-to-point exchanges: every rank sends chunk j
     to rank j (and receives its own chunk from every rank), or its chunk to every rank, all posted at once with
-    ``dist.batch_isend_irecv``; a thread waits for the receives and completes the future. On NCCL and others, torch's
-    ``reduce_scatter_single`` / ``all_gather_single``.
+    ``dist.batch_isend_irecv``; a thread waits for the receives and completes the future. Each message is cut into
+    segments of at most ``SEGMENT_BYTES`` (both ends cut a tensor alike, so they pair up in order). On NCCL and
+    others, torch's ``reduce_scatter_single`` / ``all_gather_single``.
 
 Why
     ZeRO's promise is that a reduce-scatter plus an all-gather cost what one all-reduce costs: (N-1)/N of the bucket
@@ -15,6 +16,10 @@ Why
     chunk), its ``Work`` has no future, and it and gloo's ``all_gather`` are slower than its all-reduce on loopback;
     the direct exchange sends (N-1)/N and each rank adds only its own chunk. Same bytes per rank as a ring; N-1
     messages per rank at once rather than N-1 steps in sequence, so nothing waits on a previous step.
+    Segments: two ranks sending each other one 10 MB message at once over a 1 Gbit/s link (the net lab's) took
+    either about the line rate's time or about twice it, from one exchange to the next; cut into 512 KiB messages
+    they take the line rate's time every time, as gloo's ring all-reduce, which segments, does
+    (``benchmarks/zero_collectives.py``).
 
 How torch differs
     ``torch.distributed.reduce_scatter_tensor`` on gloo (``ProcessGroupGloo``) is what we avoid here; NCCL's ring
@@ -31,6 +36,20 @@ import torch.distributed as dist
 
 from .byte_count import record
 
+SEGMENT_BYTES = 512 * 1024  # the largest message the direct exchanges post
+
+
+def _segments(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensor`` (contiguous) as consecutive flat views of at most ``SEGMENT_BYTES``: a send and its receive, cut
+    alike, pair up segment by segment."""
+    return tensor.view(-1).split(max(1, SEGMENT_BYTES // tensor.element_size()))
+
+
+def _exchange(send: torch.Tensor, to: int, receive: torch.Tensor, source: int, group) -> list:
+    """The ``P2POp``s that send ``send`` to ``to`` and receive ``receive`` from ``source``, segment by segment."""
+    return ([dist.P2POp(dist.isend, part, to, group) for part in _segments(send)]
+            + [dist.P2POp(dist.irecv, part, source, group) for part in _segments(receive)])
+
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group) -> torch.futures.Future:
     """Rank r's ``output`` = the sum over ranks of chunk r of their ``input``; a future of ``output``, counted."""
@@ -41,8 +60,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group) -> torch.fu
     chunks, received = input.view(n, -1), input.new_empty(max(n - 1, 0), output.numel())
     ops = []
     for k in range(1, n):  # to rank + k its chunk, from rank - k our chunk (every pair's messages in one order)
-        ops.append(dist.P2POp(dist.isend, chunks[(rank + k) % n], _peer(group, (rank + k) % n), group))
-        ops.append(dist.P2POp(dist.irecv, received[k - 1], _peer(group, (rank - k) % n), group))
+        ops += _exchange(chunks[(rank + k) % n], _peer(group, (rank + k) % n), received[k - 1],
+                         _peer(group, (rank - k) % n), group)
     works = dist.batch_isend_irecv(ops) if ops else []
     mine = chunks[rank]
     future = torch.futures.Future()
@@ -82,8 +101,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group):
     slots[rank].copy_(input)
     ops = []
     for k in range(1, n):
-        ops.append(dist.P2POp(dist.isend, input, _peer(group, (rank + k) % n), group))
-        ops.append(dist.P2POp(dist.irecv, slots[(rank - k) % n], _peer(group, (rank - k) % n), group))
+        to, source = _peer(group, (rank + k) % n), _peer(group, (rank - k) % n)
+        ops += _exchange(input, to, slots[(rank - k) % n], source, group)
     return _Works(dist.batch_isend_irecv(ops) if ops else [])
 
 
@@ -103,8 +122,10 @@ def all_gather_pieces(pieces_by_rank: list[list], chunk: int, like: torch.Tensor
     ops = []
     for k in range(1, n):  # every pair's messages in one order: the owner's pieces, in piece order
         to, source = (rank + k) % n, (rank - k) % n
-        ops += [dist.P2POp(dist.isend, piece.tensor, _peer(group, to), group) for piece in pieces_by_rank[rank]]
-        ops += [dist.P2POp(dist.irecv, piece.tensor, _peer(group, source), group) for piece in pieces_by_rank[source]]
+        ops += [dist.P2POp(dist.isend, part, _peer(group, to), group)
+                for piece in pieces_by_rank[rank] for part in _segments(piece.tensor)]
+        ops += [dist.P2POp(dist.irecv, part, _peer(group, source), group)
+                for piece in pieces_by_rank[source] for part in _segments(piece.tensor)]
     return _Works(dist.batch_isend_irecv(ops) if ops else [])
 
 

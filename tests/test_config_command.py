@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from miniddp import TrainingConfig
 from miniddp.launching.accelerate_config import default_config_file, read_config
 from miniddp.launching.config_command import main as config_main
 from miniddp.launching.env_command import report
@@ -115,15 +116,21 @@ def test_deepspeed_answers_write_the_block_that_accelerate_launch_and_miniddp_la
 
 def test_a_deepspeed_json_is_checked_when_it_is_named_and_asked_again(tmp_path, monkeypatch, capsys):
     (tmp_path / "stage3.json").write_text('{"zero_optimization": {"stage": 3}}')
+    fp16 = '{"fp16": {"enabled": true}, "zero_optimization": {"stage": 2}}'  # what the hand path refuses
+    (tmp_path / "fp16.json").write_text(fp16)
     (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 1}, "gradient_accumulation_steps": "auto"}')
     path = tmp_path / "json.yaml"
     monkeypatch.chdir(tmp_path)
     pending = _answer(monkeypatch, ["", "1", "", "y", "y",  # multi-CPU, DeepSpeed with a JSON
-                                    str(tmp_path / "none.json"), "stage3.json", "ds.json",  # missing; stage 3; good
+                                    str(tmp_path / "none.json"), "stage3.json",  # missing; stage 3
+                                    "fp16.json", "ds.json",  # fp16 with ZeRO stage 2; good
                                     "2"])  # processes; mixed precision is the JSON's, not asked
     assert config_main(["--config_file", str(path)]) == 0 and not pending
     shown = capsys.readouterr().out
-    assert shown.count("try again") == 2 and "zero_optimization.stage" in shown, shown
+    assert shown.count("try again") == 3 and "zero_optimization.stage" in shown and "fp16.enabled" in shown, shown
+    for precision in ("no", "fp16"):  # the trainer refuses that file whatever its flag says: so does the question
+        with pytest.raises(ValueError):
+            TrainingConfig(deepspeed=fp16, mixed_precision=precision)
     cfg = read_config(path)
     assert cfg["deepspeed_config"] == {"deepspeed_config_file": str(tmp_path / "ds.json"), "zero3_init_flag": False}
     assert "mixed_precision" not in yaml.safe_load(path.read_text())  # as Accelerate writes it: the JSON says

@@ -65,6 +65,60 @@ def test_stages_1_and_2_train_the_weights_stage_0_trains(tmp_path):
 # --8<-- [end:stages]
 
 
+HF_ZERO2 = {  # Hugging Face's ds_config_zero2.json (its DeepSpeed page), optimizer and scheduler blocks included
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                 "warmup_num_steps": "auto"}},
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none", "pin_memory": True},
+                          "allgather_partitions": True, "allgather_bucket_size": 2e8, "overlap_comm": True,
+                          "reduce_scatter": True, "reduce_bucket_size": 2e8, "contiguous_gradients": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+}
+DECAY = {"type": "WarmupDecayLR", "params": {**HF_ZERO2["scheduler"]["params"], "total_num_steps": "auto"}}
+
+
+def _train_each(rank, world_size, runs):
+    """Train each run in turn, ``(overrides, learning-rate factors by hand or None)``; rank 0 returns each run's
+    weights and the learning rate each optimizer step ran at."""
+    out = []
+    for overrides, factors in runs:
+        cfg = TrainingConfig(**{**BASE, **overrides})
+        trainer = Trainer(args=cfg, **make_task(cfg))
+        if factors is not None:  # the plain run, its learning rates set by hand
+            trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, (factors + [0]).__getitem__)
+        lrs = []
+        trainer.optimizer.register_step_pre_hook(lambda optimizer, *_: lrs.append(optimizer.param_groups[0]["lr"]))
+        trainer.train()
+        out.append(({k: v.clone() for k, v in trainer.model.state_dict().items()}, lrs))
+    return out if rank == 0 else None
+
+
+def test_hugging_face_s_zero2_template_trains_what_the_plain_flags_train(tmp_path):
+    """The template, optimizer and scheduler blocks all "auto", against the same run given by plain flags with
+    DeepSpeed's learning rates written out by hand: bitwise, step by step."""
+    (tmp_path / "ds_config_zero2.json").write_text(json.dumps(HF_ZERO2))
+    (tmp_path / "decay.json").write_text(json.dumps({**HF_ZERO2, "scheduler": DECAY}))
+    flags = {"weight_decay": 0.01, "deepspeed": _zero(2), "ddp_bucket_cap_mb": 2e8 * 4 / 2**20}  # the same buckets
+    lr = BASE["learning_rate"]
+    warmup, decay = [0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 3 / 4, 2 / 4]  # DeepSpeed's: first steps at warmup_min_lr 0
+    runs = [({"weight_decay": 0.01, "deepspeed": str(tmp_path / "ds_config_zero2.json")}, None),
+            (flags, warmup),
+            ({"weight_decay": 0.01, "deepspeed": str(tmp_path / "decay.json")}, None),
+            (flags, decay),
+            (flags, None)]  # the control: the trainer's own linear decay
+    runs = [({**overrides, "output_dir": str(tmp_path / f"run{i}")}, factors)
+            for i, (overrides, factors) in enumerate(runs)]
+    (template, template_lrs), (plain, plain_lrs), (decayed, decayed_lrs), (plain_decayed, _), (linear, _) = \
+        run_on_ranks(_train_each, 2, args=(runs,), init=False, timeout=120)[0]
+    assert template_lrs == plain_lrs == [lr * f for f in warmup] and decayed_lrs == [lr * f for f in decay]
+    assert all(torch.equal(template[k], plain[k]) and torch.equal(decayed[k], plain_decayed[k]) for k in template)
+    assert _max_diff(template, linear) > 1e-3 and _max_diff(decayed, linear) > 1e-3  # the schedule is seen
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_resume_is_bitwise_and_the_final_model_is_a_plain_state_dict(stage, tmp_path):
     common = {"deepspeed": _zero(stage), "max_steps": 8}  # a save at step 4 falls between two logs (every 3)

@@ -179,7 +179,7 @@ API_OF = {
                      "miniddp.launching.env_command"],
     "your-framework.md": ["miniddp.drop_in"],
     "zero.md": ["miniddp.zero.zero_partition", "miniddp.zero.zero_optimizer", "miniddp.zero.gradient_shards",
-                "miniddp.zero.zero_ddp_optimizer", "miniddp.zero.deepspeed_config",
+                "miniddp.zero.zero_ddp_optimizer", "miniddp.zero.deepspeed_config", "miniddp.zero.deepspeed_optim",
                 "miniddp.comm_hooks.shard_collectives"],
     "testing.md": ["miniddp.launching.spawn", "miniddp.testing"],
 }

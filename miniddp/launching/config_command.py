@@ -6,10 +6,10 @@ What
     number of machines and this one's rank, the main process's IP address and port, CPU only,
     DeepSpeed (``distributed_type: DEEPSPEED``: miniddp's own ZeRO, stage 0-2, or a DeepSpeed JSON
     whose keys are checked as it is named), the number of processes, mixed precision (not fp16 with
-    ZeRO stage 1 or 2, which the trainer refuses). Defaults are in brackets; Enter takes them; a bad answer
-    is explained and asked again: numbers in the digits 0-9 and within what torch and Linux can run
-    (``launch_checks.py``), the host an IP address or an ASCII name. ``F`` is checked before the first
-    question. It writes Accelerate's YAML to ``F``, or to Accelerate's default
+    ZeRO stage 1 or 2, which the trainer refuses, picked here or in the JSON). Defaults are in brackets;
+    Enter takes them; a bad answer is explained and asked again: numbers in the digits 0-9 and within
+    what torch and Linux can run (``launch_checks.py``), the host an IP address or an ASCII name. ``F``
+    is checked before the first question. It writes Accelerate's YAML to ``F``, or to Accelerate's default
     file (``default_config_file``: ``$HF_HOME/accelerate/default_config.yaml``), which
     ``miniddp launch`` then reads when given no ``--config_file``; if the write fails even so, the
     YAML is printed, so that the answers are not lost. ``--default`` writes what ``accelerate config
@@ -34,7 +34,7 @@ import sys
 
 import yaml
 
-from ..training.deepspeed_args import accelerate_variables
+from ..training.deepspeed_args import FP16_WITH_ZERO, accelerate_variables
 from .accelerate_config import default_config_file, default_config_source, write_config
 from .launch_checks import MAX_PER_MACHINE, MAX_PROCESSES, OneLineParser, host, unwritable, whole_number
 
@@ -130,8 +130,7 @@ def questionnaire() -> dict:
         zero = block.get("zero_stage", 0) > 0
         cfg["mixed_precision"] = PRECISIONS[ask_option(
             "Do you wish to use mixed precision?", PRECISIONS, refused=lambda option: zero and option == "fp16" and
-            "fp16 cannot run with ZeRO stage 1 or 2 (GradScaler unscales .grad, which ZeRO leaves None): pick no "
-            "or bf16")]
+            f"fp16 cannot run with ZeRO stage 1 or 2 ({FP16_WITH_ZERO}): pick no or bf16")]
     return {**cfg, "debug": False, "downcast_bf16": "no", "main_training_function": "main",
             "rdzv_backend": "static", **({} if cfg["use_cpu"] else {"gpu_ids": "all"})}
 # --8<-- [end:questions]

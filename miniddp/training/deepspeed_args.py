@@ -4,14 +4,17 @@ What
     ``deepspeed_settings(config, world_size)`` reads ``config.deepspeed`` (a DeepSpeed JSON's path, JSON text or a
     dict) or, when it is None, what ``accelerate launch`` (and ``miniddp launch``) hands the processes in
     ``ACCELERATE_*`` variables (``accelerate_deepspeed_config``), checks it with ``zero/deepspeed_config.py``
-    against the config's batch, clipping and precision, and returns the ``ZeroSettings``: stage 0 (DDP and AdamW),
-    1 or 2 (``miniddp.ZeroOptimizer``). With stage 1 or 2 it refuses, in one line, what ZeRO cannot do here:
+    against the config's batch, clipping and precision, and its optimizer and scheduler blocks with
+    ``zero/deepspeed_optim.py`` against its learning rate, weight decay and steps, and returns the
+    ``ZeroSettings``: stage 0 (DDP and AdamW), 1 or 2 (``miniddp.ZeroOptimizer``), and DeepSpeed's schedule when
+    the config has one. With stage 1 or 2 it refuses, in one line, what ZeRO cannot do here:
     ``mixed_precision="fp16"`` (``GradScaler.unscale_`` reads ``.grad``, which ZeRO leaves None, and each rank
     would find an inf in its own shard only: one rank would skip a step the others take), a ``ddp_comm_hook``
     (the bucket's collective is ZeRO's reduce-scatter) and ``ddp_bucket_cap_mb="auto"`` (it rebuilds the buckets
     ZeRO's shards are cut from). ``VARIABLES`` is Accelerate's table of YAML keys and variables, both ways:
     ``accelerate_variables`` turns a YAML's ``deepspeed_config`` block into them for the launcher, refusing a key
-    miniddp does not implement before any process starts.
+    miniddp does not implement before any process starts; a JSON it names is checked alone (``check_file``), fp16
+    with stage 1 or 2 included, which the trainer would refuse whatever its flags.
 
 Why
     The config is checked when it is built, so that a bad key or a mismatch is exit status 2 of the CLI, before
@@ -26,6 +29,7 @@ How Hugging Face and Accelerate differ
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -37,10 +41,12 @@ from ..zero.deepspeed_config import (
     load_deepspeed_config,
     zero_settings,
 )
+from ..zero.deepspeed_optim import read_blocks
 
 TRUE_WORDS = ("1", "true", "yes", "y", "t", "on")  # Accelerate's str_to_bool
 MATCHED = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_grad_norm", "mixed_precision",
-           "ddp_bucket_cap_mb")  # the config's values a DeepSpeed config must agree with
+           "ddp_bucket_cap_mb", "learning_rate", "weight_decay", "max_steps")  # what a DeepSpeed config must agree with
+FP16_WITH_ZERO = "GradScaler unscales .grad, which ZeRO leaves None (each rank holds a shard of the gradient)"
 # --8<-- [start:variables]
 # Accelerate's deepspeed_config keys (its YAML: accelerate/commands/config/cluster.py) and the variable accelerate
 # launch passes each in (utils/launch.py, prepare_deepspeed_cmd_env), which DeepSpeedPlugin reads back
@@ -91,11 +97,22 @@ def accelerate_variables(block, source: str) -> dict[str, str]:
         if key == "gradient_clipping" and (type(value) not in (int, float) or not value >= 0):
             raise DeepSpeedConfigError(source, where, f"{shown} must be a number >= 0 (0: no clipping)")
     if "deepspeed_config_file" in block:  # its keys now, before any process starts (the rest: the trainer's)
-        check_keys(*load_deepspeed_config(block["deepspeed_config_file"], f"{source}: deepspeed_config_file"))
+        check_file(*load_deepspeed_config(block["deepspeed_config_file"], f"{source}: deepspeed_config_file"))
     return {"ACCELERATE_USE_DEEPSPEED": "true",
             **{VARIABLES[k]: str(v).lower() if isinstance(v, bool) else str(v) for k, v in block.items()
                if k in VARIABLES}}
 # --8<-- [end:yaml]
+
+
+def check_file(config: dict, source: str) -> int:
+    """What a DeepSpeed JSON says alone, before any trainer reads it: its keys, its optimizer and scheduler blocks,
+    and fp16 with ZeRO stage 1 or 2 (refused by the trainer whatever its flags); its ZeRO stage."""
+    stage = check_keys(config, source)
+    read_blocks(config, source)
+    if stage > 0 and config.get("fp16", {}).get("enabled") is True:
+        raise DeepSpeedConfigError(source, "fp16.enabled", f"=true cannot run with ZeRO stage {stage}: "
+                                   f"{FP16_WITH_ZERO}: set bf16.enabled, or stage 0")
+    return stage
 
 
 # --8<-- [start:accelerate]
@@ -136,14 +153,13 @@ def deepspeed_settings(config, world_size: int | None = None, environ=None) -> Z
     if given is None:
         return ZeroSettings()
     ds_config, source = given
-    zero = zero_settings(ds_config, source, {**{name: getattr(config, name) for name in MATCHED},
-                                             "world_size": world_size})
+    args = {**{name: getattr(config, name) for name in MATCHED}, "world_size": world_size}
+    zero = dataclasses.replace(zero_settings(ds_config, source, args), schedule=read_blocks(ds_config, source, args))
     if zero.stage == 0:
         return zero
     where = f"ZeRO stage {zero.stage} ({source})"
     if config.mixed_precision == "fp16":
-        raise ValueError(f"mixed_precision='fp16' cannot run with {where}: GradScaler unscales .grad, which ZeRO "
-                         "leaves None (each rank holds a shard of the gradient): use bf16, or stage 0")
+        raise ValueError(f"mixed_precision='fp16' cannot run with {where}: {FP16_WITH_ZERO}: use bf16, or stage 0")
     if config.ddp_comm_hook != "no":
         raise ValueError(f"ddp_comm_hook={config.ddp_comm_hook!r} cannot run with {where}: the bucket's collective "
                          "is ZeRO's reduce-scatter, which a hook cannot replace: use no, or stage 0")

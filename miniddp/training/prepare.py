@@ -86,15 +86,17 @@ def prepare_dataloader(dataset, args: TrainingConfig, rank: int, world_size: int
 
 
 # --8<-- [start:optimizer]
-def prepare_optimizer(ddp, args: TrainingConfig, max_steps: int, zero_stage: int = 0):
+def prepare_optimizer(ddp, args: TrainingConfig, max_steps: int, zero_stage: int = 0, schedule=None):
     """AdamW for ``ddp``'s model (ZeRO stage 1 or 2: sharded by ``ZeroOptimizer``), and a schedule that decays
-    its learning rate linearly to 0 at ``max_steps``."""
+    its learning rate linearly to 0 at ``max_steps`` (or ``schedule``'s: a DeepSpeed config's scheduler block)."""
     if zero_stage == 0:
         optimizer = torch.optim.AdamW(ddp.module.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     else:  # before DDP's first forward: its buckets' reduce-scatter and this rank's shard are set up now
         optimizer = ZeroOptimizer(ddp, torch.optim.AdamW, stage=zero_stage, lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1 - s / max_steps))
+    factor = (lambda s: max(0.0, 1 - s / max_steps)) if schedule is None else \
+        schedule.lr_lambda(args.learning_rate, max_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     return optimizer, scheduler
 # --8<-- [end:optimizer]
 

@@ -71,7 +71,8 @@ class Trainer:
         self.eval_dataset = eval_dataset
         self.env = init_distributed(args.ddp_backend, args.ddp_timeout, device="cpu" if args.use_cpu else None)
         self.device, self.rank, self.world_size = self.env.device, self.env.rank, self.env.world_size
-        self.zero_stage = deepspeed_settings(args, self.world_size).stage  # checked again, with the world size
+        zero = deepspeed_settings(args, self.world_size)  # checked again, with the world size
+        self.zero_stage = zero.stage
         self.model, self.ddp, self.comm_hook = prepare_model(model, args, self.device)  # self.model: unwrapped
         self.compiler = DDPOptimizer(self.ddp, args.torch_compile_backend or "inductor")  # one piece per bucket
         self.forward = torch.compile(self.ddp, backend=self.compiler) if args.torch_compile else self.ddp  # Accelerate
@@ -85,7 +86,8 @@ class Trainer:
         self.windows = self.plan.windows  # micro-batches per optimizer step, for one epoch
         per_epoch = len(self.windows)  # optimizer steps per epoch
         self.max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * per_epoch)
-        self.optimizer, self.scheduler = prepare_optimizer(self.ddp, args, self.max_steps, self.zero_stage)
+        self.optimizer, self.scheduler = prepare_optimizer(self.ddp, args, self.max_steps, self.zero_stage,
+                                                           zero.schedule)
         self.autocast, self.scaler = prepare_mixed_precision(args.mixed_precision, self.device)
         self.state = TrainerState()  # where the run is: saved whole in each checkpoint, restored whole
         self.pending_loss = torch.zeros((), dtype=torch.float64, device=self.device)  # this rank's, not yet in state

@@ -8,13 +8,16 @@ What
     (``ACCEPTED``); every other key is a ``DeepSpeedConfigError`` whose ``.key`` is its dotted path, in one line
     with the fix. ``zero_settings`` fills ``"auto"`` from the trainer's values and refuses a concrete value that
     disagrees with them, as Hugging Face's ``HfTrainerDeepSpeedConfig.trainer_config_process`` does
-    (``transformers/integrations/deepspeed.py``).
+    (``transformers/integrations/deepspeed.py``); a value no trainer setting could match (NaN, infinity, a
+    negative or fractional count) is refused as such first (``number_problem``; 1.0 counts as 1). The
+    ``optimizer`` and ``scheduler`` blocks are ``deepspeed_optim.py``'s.
 
 Why
     Users arrive with a ``ds_config.json`` or an Accelerate YAML that says ``distributed_type: DEEPSPEED``; the
     stage is the part that teaches (what is sharded, what it costs). A key accepted and then not acted on
-    (offloading, stage 3, DeepSpeed's own optimizer) would be a silent wrong answer: each is one line at
-    config time, before any rank trains.
+    (offloading, stage 3, an optimizer other than AdamW) would be a silent wrong answer: each is one line at
+    config time, before any rank trains. A file that cannot be read as JSON (not UTF-8, nested past Python's
+    recursion limit) is one line too, never a traceback.
 
 How DeepSpeed and Hugging Face differ
     DeepSpeed reads ~150 keys and builds its own engine, optimizer and loss scaler; Hugging Face fills the
@@ -30,10 +33,12 @@ import base64
 import binascii
 import copy
 import json
+import math
 import os
 from dataclasses import dataclass
 
 STAGES = (0, 1, 2)
+MAX_DEPTH = 32  # DeepSpeed's deepest keys are a few levels down; far below Python's recursion limit
 ELEMENT_BYTES = 4  # reduce_bucket_size counts fp32 gradient elements; DDP's cap counts MiB
 # --8<-- [start:accepted]
 # What miniddp reads. "matched": "auto" or equal to the trainer's value (Hugging Face's trainer_config_process).
@@ -59,26 +64,27 @@ ACCEPTED = {
 }
 # --8<-- [end:accepted]
 FIXES = {  # blocks users often bring, and what to do instead
-    "optimizer": "is DeepSpeed's own optimizer: delete the block; the trainer steps torch's AdamW with "
-                 "learning_rate and weight_decay (Hugging Face's Trainer does so when the block is absent)",
-    "scheduler": "is DeepSpeed's own schedule: delete the block; the trainer decays the learning rate linearly "
-                 "to 0 (Hugging Face's default)",
     "zero_optimization.offload_optimizer": "miniddp keeps the optimizer state on the device: set its device to "
                                            "none or delete the block (offloading is DeepSpeed's)",
     "zero_optimization.offload_param": "miniddp keeps the parameters on the device: set its device to none or "
                                        "delete the block (offloading is DeepSpeed's)",
 }
-BLOCKS = ("optimizer", "scheduler")  # named as a whole, not by their first key
+BLOCKS = ("optimizer", "scheduler")  # read by deepspeed_optim.py (training/deepspeed_args.py reads both)
+# the range of a concrete value, checked before it is compared: (smallest, a whole number?)
+RANGES = {"train_micro_batch_size_per_gpu": (1, True), "gradient_accumulation_steps": (1, True),
+          "train_batch_size": (1, True), "gradient_clipping": (0, False),
+          "zero_optimization.reduce_bucket_size": (1, False)}
 
 
 class DeepSpeedConfigError(ValueError):
     """A DeepSpeed config miniddp cannot run as written; ``.key`` is the dotted path it is about (None: the
-    config as a whole)."""
+    config as a whole), ``.source`` where the config came from (a file: its path), ``.disagrees_with`` the
+    trainer's setting a valid value contradicts (None: the value, or the key, is refused by itself)."""
 
-    def __init__(self, source: str, key: str | None, problem: str):
+    def __init__(self, source: str, key: str | None, problem: str, disagrees_with: str | None = None):
         where = f"{key}{'' if problem[:1] in '=:' else ' '}" if key else ""
         super().__init__(f"{source}: {where}{problem}")
-        self.key = key
+        self.key, self.source, self.disagrees_with = key, source, disagrees_with
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,16 @@ class ZeroSettings:
 
     stage: int = 0  # 0: plain DDP; 1: the optimizer state sharded; 2: the gradients too
     bucket_cap_mb: float | None = None  # from zero_optimization.reduce_bucket_size; None: ddp_bucket_cap_mb's
+    schedule: object = None  # deepspeed_optim.Schedule, from the scheduler block; None: the trainer's linear decay
+
+
+def number_problem(value, low: float, whole: bool) -> str | None:
+    """Why ``value`` is no number >= ``low`` (whole: an integral float is its int, as 1.0 == 1), NaN and infinity
+    being none; None: it is one. The text follows the key's name, as DeepSpeedConfigError writes it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < low or \
+            (whole and value != int(value)):
+        return f"={json.dumps(value, default=str)} must be a {'whole' if whole else 'finite'} number >= {low:g}"
+    return None
 
 
 def _no_duplicates(pairs):
@@ -98,38 +114,69 @@ def _no_duplicates(pairs):
     return seen
 
 
+def _parse(text: str, named: str) -> dict:
+    """JSON text as DeepSpeed reads it (a key written twice refused), every failure one line naming ``named``."""
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates)
+    except DeepSpeedConfigError as err:  # before ValueError: _no_duplicates' own
+        raise DeepSpeedConfigError(named, err.key, "is written twice in the JSON: keep one") from None
+    except json.JSONDecodeError as err:
+        raise DeepSpeedConfigError(named, None, f"is not JSON ({err.msg}, line {err.lineno}): a DeepSpeed config "
+                                   'is a JSON object, e.g. {"zero_optimization": {"stage": 2}}') from None
+    except RecursionError:  # json's decoder recurses once per level
+        raise DeepSpeedConfigError(named, None, f"nests deeper than {MAX_DEPTH} levels: a DeepSpeed config "
+                                   "is a few levels deep") from None
+
+
+def _too_deep(config) -> bool:
+    """Whether ``config`` nests deeper than ``MAX_DEPTH`` (walked without recursion: deepcopy and _flat recurse)."""
+    level = [config]
+    for _ in range(MAX_DEPTH):
+        level = [v for node in level for v in (node.values() if isinstance(node, dict) else node)
+                 if isinstance(v, (dict, list))]
+        if not level:
+            return False
+    return True
+
+
 def load_deepspeed_config(value, source: str = "deepspeed") -> tuple[dict, str]:
     """(the config as a dict, how to name where it came from): a path, JSON text, base64 JSON, or a dict."""
     value = os.fspath(value) if isinstance(value, os.PathLike) else value
+    not_json = "is no file, JSON or base64 JSON: give the path of a DeepSpeed config file (ds_config.json)"
     if isinstance(value, dict):
-        return copy.deepcopy(value), source
-    if not isinstance(value, str):
+        config, named = value, source
+    elif not isinstance(value, str):
         raise DeepSpeedConfigError(source, None, f"must be a JSON file's path, JSON text or a dict, not a "
                                    f"{type(value).__name__}")
-    named = f"{source}={value!r}" if os.path.isfile(value) else source
-    try:
-        if os.path.isfile(value):
-            with open(value, encoding="utf-8") as f:
-                config = json.load(f, object_pairs_hook=_no_duplicates)
-        elif value.lstrip().startswith("{"):
-            config = json.loads(value, object_pairs_hook=_no_duplicates)
-        else:  # Hugging Face also takes base64 of the JSON
-            config = json.loads(base64.urlsafe_b64decode(value.encode()).decode("utf-8"),
-                                object_pairs_hook=_no_duplicates)
-    except json.JSONDecodeError as err:
-        if not (named != source or value.lstrip().startswith("{")):  # base64 of something else
-            raise DeepSpeedConfigError(source, None, f"{value!r} is no file, JSON or base64 JSON: give the path of a "
-                                       "DeepSpeed config file (ds_config.json)") from None
-        raise DeepSpeedConfigError(named, None, f"is not JSON ({err.msg}, line {err.lineno}): a DeepSpeed config "
-                                   'is a JSON object, e.g. {"zero_optimization": {"stage": 2}}') from None
-    except (binascii.Error, UnicodeDecodeError, ValueError) as err:
-        if isinstance(err, DeepSpeedConfigError):  # a key written twice
-            raise DeepSpeedConfigError(named, err.key, "is written twice in the JSON: keep one") from None
-        raise DeepSpeedConfigError(source, None, f"{value!r} is no file, JSON or base64 JSON: give the path of a "
-                                   "DeepSpeed config file (ds_config.json)") from None
+    elif os.path.isfile(value):
+        named = f"{source}={value!r}"
+        try:
+            with open(value, "rb") as f:
+                raw = f.read()
+        except OSError as err:
+            raise DeepSpeedConfigError(named, None, f"cannot be read ({err.strerror or err})") from None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:  # JSON files are UTF-8 (RFC 8259); DeepSpeed's json.load says the same
+            raise DeepSpeedConfigError(named, None, f"is not UTF-8 text (byte {err.start}: {raw[err.start]:#04x}): "
+                                       "save it as UTF-8") from err
+        config = _parse(text, named)
+    elif value.lstrip().startswith("{"):
+        config, named = _parse(value, source), source
+    else:  # Hugging Face also takes base64 of the JSON
+        try:
+            text = base64.urlsafe_b64decode(value.encode()).decode("utf-8")
+        except (binascii.Error, ValueError):  # not base64, or not UTF-8 inside (UnicodeError is a ValueError)
+            raise DeepSpeedConfigError(source, None, f"{value!r} {not_json}") from None
+        if not text.lstrip().startswith("{"):  # base64 of something else
+            raise DeepSpeedConfigError(source, None, f"{value!r} {not_json}")
+        config, named = _parse(text, source), source
     if not isinstance(config, dict):
         raise DeepSpeedConfigError(named, None, 'must be a JSON object, e.g. {"zero_optimization": {"stage": 2}}')
-    return config, named
+    if _too_deep(config):
+        raise DeepSpeedConfigError(named, None, f"nests deeper than {MAX_DEPTH} levels: a DeepSpeed config is a "
+                                   "few levels deep")
+    return copy.deepcopy(config), named
 
 
 def _flat(config: dict, prefix: str = "") -> dict:
@@ -149,6 +196,8 @@ PRIORITY = ("zero_optimization.stage", "zero_optimization.offload_optimizer.devi
 
 def _refusal(key: str, value, flat: dict) -> str | None:
     """Why ``key`` (its value ``value``) cannot run here, with the fix; None when it can."""
+    if key.split(".")[0] in BLOCKS:
+        return None  # deepspeed_optim.py's
     if value == {} and any(name.startswith(key + ".") for name in ACCEPTED):
         return None  # an empty block of keys miniddp reads: DeepSpeed's defaults
     block = next((b for b in FIXES if key == b or key.startswith(b + ".")), None)
@@ -181,8 +230,8 @@ def check_keys(config: dict, source: str = "deepspeed") -> int:
 def _check_flat(flat: dict, source: str) -> int:
     for key in sorted(flat, key=lambda k: PRIORITY.index(k) if k in PRIORITY else len(PRIORITY)):
         why = _refusal(key, flat[key], flat)
-        if why is not None:  # DeepSpeed's optimizer or schedule: the block is named, not its first key
-            raise DeepSpeedConfigError(source, key.split(".")[0] if key.startswith(BLOCKS) else key, why)
+        if why is not None:
+            raise DeepSpeedConfigError(source, key, why)
     return flat.get("zero_optimization.stage", 0)
 
 
@@ -208,25 +257,28 @@ def zero_settings(config: dict, source: str, args: dict) -> ZeroSettings:
     flat = _flat(config)
     for key in [k for k in ACCEPTED if k in flat and ACCEPTED[k].startswith("matched")]:
         value, (want, name) = flat[key], _trainer_value(key, args)
-        if value == "auto" and want is not None:
-            flat[key] = want  # Hugging Face's fill_match
-        elif value != "auto" and want is not None:
-            kind = bool if key.endswith(".enabled") else int if key != "gradient_clipping" else (int, float)
-            if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)) or value != want:
-                raise DeepSpeedConfigError(source, key, f"={json.dumps(value)} disagrees with {name} "
-                                           f'({json.dumps(want)}): set it to "auto" (filled from the trainer, as '
-                                           f"Hugging Face does) or to {json.dumps(want)}")
+        if value == "auto":
+            flat[key] = value if want is None else want  # Hugging Face's fill_match
+            continue
+        problem = (None if isinstance(value, bool) else f"={json.dumps(value, default=str)} must be true or false") \
+            if key.endswith(".enabled") else number_problem(value, *RANGES[key])  # NaN is no disagreement
+        if problem:
+            raise DeepSpeedConfigError(source, key, f'{problem}, or "auto" (the trainer\'s)')
+        if want is not None and value != want:
+            raise DeepSpeedConfigError(source, key, f"={json.dumps(value)} disagrees with {name} "
+                                       f'({json.dumps(want)}): set it to "auto" (filled from the trainer, as '
+                                       f"Hugging Face does) or to {json.dumps(want)}", disagrees_with=name)
     stage = _check_flat(flat, source)  # with "auto" filled: fp16's loss-scale keys count once fp16 is on
     cap = flat.get("zero_optimization.reduce_bucket_size", "auto")
     if cap == "auto":
         return ZeroSettings(stage=stage)
-    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap < 1:
-        raise DeepSpeedConfigError(source, "zero_optimization.reduce_bucket_size", f"={json.dumps(cap)} must be a "
-                                   'number of elements >= 1, or "auto" (ddp_bucket_cap_mb)')
+    if number_problem(cap, *RANGES["zero_optimization.reduce_bucket_size"]):
+        raise DeepSpeedConfigError(source, "zero_optimization.reduce_bucket_size", number_problem(
+            cap, *RANGES["zero_optimization.reduce_bucket_size"]) + ' elements, or "auto" (ddp_bucket_cap_mb)')
     mb = cap * ELEMENT_BYTES / 2**20
     if args.get("ddp_bucket_cap_mb") not in (None, mb):
         raise DeepSpeedConfigError(source, "zero_optimization.reduce_bucket_size", f"={json.dumps(cap)} ({mb:g} MiB) "
                                    f"disagrees with ddp_bucket_cap_mb={args['ddp_bucket_cap_mb']!r}: set one of them "
-                                   '(the other "auto" or unset)')
+                                   '(the other "auto" or unset)', disagrees_with="ddp_bucket_cap_mb")
     return ZeroSettings(stage=stage, bucket_cap_mb=mb)
 # --8<-- [end:matched]

@@ -6,14 +6,18 @@ What
     ``install()``: ``torch.nn.parallel.DistributedDataParallel`` is miniddp's class from then on, and so is
     every name a module already imported holds for torch's. Works wherever the launcher puts it:
     ``torchrun ... -m miniddp.drop_in train.py``, ``accelerate launch -m miniddp.drop_in train.py``,
-    ``srun python -m miniddp.drop_in train.py``, ``miniddp launch --drop_in train.py``. From Python,
+    ``srun python -m miniddp.drop_in train.py``, ``miniddp launch --drop_in train.py``. SCRIPT may be a folder
+    or a zip file with a ``__main__.py``, as for Python. Processes the script starts with ``mp.spawn`` (or the
+    spawn or forkserver start method) are fresh interpreters: each installs miniddp's class before it re-runs
+    the script as ``__mp_main__``, and writes its own traces at its exit. From Python,
     ``undo = miniddp.drop_in.install()``; ``undo()`` puts torch's class back. Rank 0 prints one line saying
     so (``MINIDDP_DROP_IN_QUIET=1`` silences it). When the script ends, the process group the framework
     created and never destroyed is destroyed (bounded in time), so a finished job exits 0.
     The environment asks for miniddp's diagnostics: ``MINIDDP_DEBUG=collectives`` (the desync detector,
     wrapped around whatever group the framework creates) and ``MINIDDP_TRACE=DIR`` (per rank, the first
     ``MINIDDP_TRACE_STEPS`` synced backwards, default 20: ``rankR.trace.json`` for Perfetto,
-    ``rankR.events.json`` for ``diagnostics.timeline.plot_timeline``, ``rankR.buckets.json``).
+    ``rankR.events.json`` for ``diagnostics.timeline.plot_timeline``, ``rankR.buckets.json``). Both are
+    checked before the script runs (``launching/drop_in_checks.py``): a bad value is one line, exit status 2.
 
 Why
     Transformers, TRL, Accelerate and Lightning build torch's DDP themselves, by name, inside code the user
@@ -24,16 +28,20 @@ How torch differs
     torch has no such switch. ``DistributedDataParallel`` is looked up by name at the call
     (``torch.nn.parallel.DistributedDataParallel``: Transformers, Accelerate) or bound at import
     (``from torch.nn.parallel import DistributedDataParallel``: Lightning), so both are replaced: the
-    modules' attributes, and every module already in ``sys.modules`` that holds torch's class.
+    modules' attributes, and every module already in ``sys.modules`` that holds torch's class. A process
+    that ``mp.spawn`` starts imports torch afresh: the switch rides in the preparation data that
+    ``multiprocessing`` sends the child, which it unpickles before it runs the script.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
+import multiprocessing.spawn
 import os
+import pkgutil
 import runpy
 import sys
-import weakref
 from pathlib import Path
 
 import torch.distributed as dist
@@ -42,13 +50,16 @@ import torch.nn.parallel.distributed
 
 from .diagnostics.trace import Tracer, step_summary, to_chrome_trace
 from .engine.ddp import DistributedDataParallel as _DistributedDataParallel
+from .launching.drop_in_checks import TRACE_ENV, module_error, path_error, trace_folder_error, trace_steps
 from .process_group import debug_backend
 from .process_group.clean_exit import destroy_process_group
 
-QUIET_ENV, TRACE_ENV, TRACE_STEPS_ENV = "MINIDDP_DROP_IN_QUIET", "MINIDDP_TRACE", "MINIDDP_TRACE_STEPS"
+QUIET_ENV = "MINIDDP_DROP_IN_QUIET"
 TORCH_DDP = torch.nn.parallel.DistributedDataParallel  # torch's own class, as it was when miniddp was imported
 USAGE = "usage: python -m miniddp.drop_in SCRIPT [ARGS...]  |  python -m miniddp.drop_in -m MODULE [ARGS...]"
-_built: list[weakref.ref] = []  # every wrapper built under the drop-in: their traces are written at the end
+# every traced wrapper built in this process, its traces written at the end. Held, not weakly referenced: a
+# script's `def main()` drops its wrapper when it returns, before the runner writes.
+_built: list = []
 
 
 class FirstSteps(Tracer):
@@ -80,10 +91,11 @@ class DistributedDataParallel(_DistributedDataParallel):
         if os.environ.get(TRACE_ENV) and kwargs.get("tracer") is None:
             module = kwargs.get("module", args[0] if args else None)
             device = next((p.device for p in module.parameters()), None) if module is not None else None
-            kwargs["tracer"] = FirstSteps(dist.get_rank(), int(os.environ.get(TRACE_STEPS_ENV, "20")), device)
+            kwargs["tracer"] = FirstSteps(dist.get_rank(), trace_steps(), device)
         super().__init__(*args, **kwargs)
         self._drop_in_tracer = kwargs.get("tracer")
-        _built.append(weakref.ref(self))
+        if self._drop_in_tracer is not None and os.environ.get(TRACE_ENV):
+            _built.append(self)
 
 
 def _checked_init(init):
@@ -124,6 +136,41 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
+class _InstallInChild:
+    """Rides in the preparation data ``multiprocessing`` sends a spawned child; unpickling it there, before
+    the child re-runs the script as ``__mp_main__``, installs miniddp's class in the child."""
+
+    def __reduce__(self):
+        return _spawned_child, ()
+
+
+def _spawned_child() -> None:
+    """In a child that ``mp.spawn`` started: the switch, for it and its own children; its traces at its exit
+    (``spawn_main`` ends with ``sys.exit``, so ``atexit`` runs)."""
+    install()
+    _pass_to_spawned_children()
+    atexit.register(_finish)
+
+
+def _pass_to_spawned_children():
+    """Every child started by the spawn or forkserver method installs first; return ``undo``.
+
+    ``get_preparation_data`` is what ``multiprocessing`` sends a new interpreter before the process object:
+    its ``sys.path``, ``sys.argv``, the main module to re-run. ``prepare()`` in the child reads the keys it
+    knows, and the child unpickles the whole dict first, so one more key runs our install there, early.
+    (A forked child needs nothing: it is a copy of this process, class included.)"""
+    original = multiprocessing.spawn.get_preparation_data
+
+    def get_preparation_data(name):
+        return {**original(name), "miniddp_drop_in": _InstallInChild()}
+
+    multiprocessing.spawn.get_preparation_data = get_preparation_data
+
+    def undo() -> None:
+        multiprocessing.spawn.get_preparation_data = original
+    return undo
+
+
 def per_step(events: list[dict]) -> list[dict]:
     """``step_summary`` of each traced backward (events from one "backward start" to the next)."""
     steps, current = [], []
@@ -138,12 +185,13 @@ def per_step(events: list[dict]) -> list[dict]:
 
 
 def write_traces(folder: str) -> list[Path]:
-    """Each traced wrapper's events, Chrome trace and bucket assignment, into ``folder`` (one set per rank)."""
+    """Each traced wrapper's events, Chrome trace and bucket assignment, into ``folder`` (one set per rank).
+
+    Files are named by the rank the wrapper was built on: a script may have destroyed its group by now."""
     written, out = [], Path(folder)
-    for n, ref in enumerate(r for r in _built if r() is not None and r()._drop_in_tracer is not None):
-        ddp, rank = ref(), _rank()
+    for n, ddp in enumerate(d for d in _built if d._drop_in_tracer is not None):
         events = ddp._drop_in_tracer.synchronize()
-        stem = f"rank{rank}" + (f".{n}" if n else "")
+        stem = f"rank{ddp._drop_in_tracer.rank}" + (f".{n}" if n else "")
         out.mkdir(parents=True, exist_ok=True)
         files = {f"{stem}.events.json": events, f"{stem}.trace.json": to_chrome_trace([events]),
                  f"{stem}.buckets.json": {"buckets": ddp.bucket_assignment, "steps": per_step(events)}}
@@ -155,16 +203,30 @@ def write_traces(folder: str) -> list[Path]:
 
 def _finish() -> None:
     """After the script: its traces, then the group it left behind, destroyed within a bounded time."""
-    if os.environ.get(TRACE_ENV):
-        written = write_traces(os.environ[TRACE_ENV])
-        if written and _rank() == 0:
-            print(f"miniddp.drop_in: traces in {os.environ[TRACE_ENV]} ({len(written)} files on rank 0)",
-                  file=sys.stderr, flush=True)
-    _built.clear()
+    folder = os.environ.get(TRACE_ENV)
+    try:
+        written = write_traces(folder) if folder else []
+        if any(path.name.startswith("rank0.") for path in written):
+            print(f"miniddp.drop_in: traces in {folder} ({len(written)} files on rank 0)", file=sys.stderr,
+                  flush=True)
+    except OSError as exc:  # the folder was checked before the script; something changed since: say so, go on
+        print(f"miniddp.drop_in: writing the traces failed: {exc}", file=sys.stderr, flush=True)
+    finally:
+        _built.clear()
     try:
         destroy_process_group()
     except Exception as exc:  # noqa: BLE001 - the script's own outcome (and exit status) is what counts
         print(f"miniddp.drop_in: destroying the process group failed: {exc}", file=sys.stderr, flush=True)
+
+
+def _environment_error() -> str | None:
+    """The runner's variables, checked before the script runs: one line for a bad one, else None."""
+    try:
+        trace_steps()
+    except ValueError as err:
+        return str(err)
+    folder = os.environ.get(TRACE_ENV)
+    return trace_folder_error(folder) if folder else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,23 +237,37 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     module = argv[1] if argv[0] == "-m" else None
     script = None if module else argv[0]
-    if script is not None and not os.path.isfile(script):
-        print(f"miniddp.drop_in: no such script: {script}", file=sys.stderr)
-        return 2
-    install()
-    if _rank() == 0 and os.environ.get(QUIET_ENV, "0") in ("", "0"):
-        print(f"miniddp.drop_in: torch.nn.parallel.DistributedDataParallel is miniddp's ({QUIET_ENV}=1 silences "
-              "this)", file=sys.stderr, flush=True)
+    bad_variable = _environment_error()
+    problem = (bad_variable, 2) if bad_variable else path_error(script) if script is not None else None
+    if problem:  # (one line, the exit status python gives; 2 for a bad variable, as for a bad flag)
+        print(f"miniddp.drop_in: {problem[0]}", file=sys.stderr)
+        return problem[1]
+    undo, undo_spawn = install(), _pass_to_spawned_children()
     try:
-        if module:
-            sys.argv = [module, *argv[2:]]  # python -m sets argv[0] to the module's file; runpy does that too
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = [script, *argv[1:]]
-            sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` puts it
-            runpy.run_path(script, run_name="__main__")
+        # after install(): the module's parent packages are imported by this check, and see miniddp's class
+        missing = module_error(module) if module else None
+        if missing:
+            print(f"miniddp.drop_in: {missing[0]}", file=sys.stderr)
+            return missing[1]
+        if _rank() == 0 and os.environ.get(QUIET_ENV, "0") in ("", "0"):
+            print(f"miniddp.drop_in: torch.nn.parallel.DistributedDataParallel is miniddp's ({QUIET_ENV}=1 "
+                  "silences this)", file=sys.stderr, flush=True)
+        try:
+            if module:
+                sys.argv = [module, *argv[2:]]  # python -m sets argv[0] to the module's file; runpy does that too
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = [script, *argv[1:]]
+                if pkgutil.get_importer(script) is None:
+                    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` puts it
+                else:
+                    del sys.path[0]  # a folder or a zip file: run_path puts it first itself, as `python DIR` does
+                runpy.run_path(script, run_name="__main__")
+        finally:
+            _finish()
     finally:
-        _finish()
+        undo_spawn()
+        undo()
     return 0
 
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import types
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -138,3 +140,170 @@ def test_a_cpu_config_reaches_accelerate_and_transformers_scripts_as_accelerate_
 
     assert script_env({"use_cpu": True})["ACCELERATE_USE_CPU"] == "true"
     assert "ACCELERATE_USE_CPU" not in script_env({})  # GPUs, or Accelerate's own choice
+
+
+DEF_MAIN = HERE / "drop_in_scripts" / "def_main.py"
+
+
+@pytest.fixture
+def in_process(monkeypatch):
+    """``drop_in.main`` run in this process: what it changes (argv, sys.path[0]) is put back afterwards."""
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("MINIDDP_DROP_IN_QUIET", "1")
+    for name in ("MINIDDP_TRACE", "MINIDDP_TRACE_STEPS", "MINIDDP_DEBUG"):
+        monkeypatch.delenv(name, raising=False)
+    yield monkeypatch
+    assert not torch.distributed.is_initialized()  # the runner destroyed the script's group
+    assert torch.nn.parallel.DistributedDataParallel is drop_in.TORCH_DDP  # and put torch's class back
+
+
+def test_a_script_that_just_returns_gets_its_traces(in_process, tmp_path, capsys):
+    in_process.setenv("MINIDDP_TRACE", str(tmp_path / "trace"))
+    assert drop_in.main([str(DEF_MAIN), "--store", str(tmp_path / "store")]) == 0
+    assert json.loads(capsys.readouterr().out)["name"] == "__main__"  # it ran, and returned
+    summary = json.loads((tmp_path / "trace" / "rank0.buckets.json").read_text())
+    assert len(summary["steps"]) == 3  # def_main.py's 3 backwards, its wrapper long gone
+    assert {p.name for p in (tmp_path / "trace").iterdir()} == {"rank0.buckets.json", "rank0.events.json",
+                                                                "rank0.trace.json"}
+
+
+@pytest.mark.parametrize("form", ["folder", "zip"])
+def test_a_folder_or_a_zip_file_with_a_main_runs_as_python_runs_it(in_process, tmp_path, capsys, form):
+    if form == "folder":
+        target = tmp_path / "app"
+        target.mkdir()
+        shutil.copy(DEF_MAIN, target / "__main__.py")
+    else:
+        target = tmp_path / "app.zip"
+        with zipfile.ZipFile(target, "w") as archive:
+            archive.write(DEF_MAIN, "__main__.py")
+    assert drop_in.main([str(target), "--store", str(tmp_path / "store")]) == 0
+    seen = json.loads(capsys.readouterr().out)
+    # python DIR: argv[0] and sys.path[0] are DIR, the name is __main__
+    assert seen == {"argv": [str(target), "--store", str(tmp_path / "store")], "name": "__main__",
+                    "path0": str(target)}
+    (tmp_path / "empty").mkdir()
+    assert drop_in.main([str(tmp_path / "empty")]) == 1  # python's status for a folder without __main__.py
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("variable, value", [
+    ("MINIDDP_TRACE", "{file}"), ("MINIDDP_TRACE", "{file}/trace"),
+    pytest.param("MINIDDP_TRACE", "/proc/miniddp_trace", marks=pytest.mark.skipif(  # unwritable, even for root
+        not sys.platform.startswith("linux"), reason="/proc is Linux's")),
+    ("MINIDDP_TRACE_STEPS", "abc"), ("MINIDDP_TRACE_STEPS", "0"), ("MINIDDP_TRACE_STEPS", "-1"),
+    ("MINIDDP_TRACE_STEPS", "2.5")])
+def test_a_bad_trace_variable_is_one_line_and_exit_2_before_the_script_runs(in_process, tmp_path, capsys,
+                                                                            variable, value):
+    (tmp_path / "a_file").write_text("")
+    in_process.setenv("MINIDDP_TRACE", str(tmp_path / "trace"))
+    in_process.setenv(variable, value.format(file=tmp_path / "a_file"))
+    assert drop_in.main([str(DEF_MAIN), "--store", str(tmp_path / "store")]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # the script never ran
+    assert len(err.strip().splitlines()) == 1 and variable in err
+
+
+def test_trace_steps_reads_a_whole_number_with_a_default():
+    from miniddp.launching.drop_in_checks import trace_steps
+
+    assert [trace_steps(env) for env in ({}, {"MINIDDP_TRACE_STEPS": ""}, {"MINIDDP_TRACE_STEPS": "3"})] == [20, 20, 3]
+
+
+def test_a_module_python_cannot_run_is_its_one_line_and_its_exit_status(in_process, tmp_path, capsys):
+    (tmp_path / "no_main_pkg").mkdir()
+    (tmp_path / "no_main_pkg" / "__init__.py").write_text("")
+    (tmp_path / "broken_dependency.py").write_text("import no_such_dependency_of_this_module\n")
+    in_process.syspath_prepend(str(tmp_path))
+    for name in ("no_such_module_anywhere", "no_main_pkg", "no_such_package_anywhere.sub"):
+        python = subprocess.run([sys.executable, "-m", name], capture_output=True, text=True, cwd=tmp_path)
+        status = drop_in.main(["-m", name])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert (status, len(err)) == (python.returncode, 1) == (1, 1), name
+        assert err[0].endswith(python.stderr.strip().split(": ", 1)[1])  # python's own words, after its name
+    with pytest.raises(ModuleNotFoundError):  # an error inside the module is the module's: python's traceback
+        drop_in.main(["-m", "broken_dependency"])
+
+
+def test_mp_spawn_ranks_build_miniddps_class_and_write_their_traces(tmp_path):
+    env = {**os.environ, "MINIDDP_TRACE": str(tmp_path / "trace"), "MINIDDP_DEBUG": "collectives"}
+    for name in ("RANK", "WORLD_SIZE", "MINIDDP_DROP_IN_QUIET", "MINIDDP_TRACE_STEPS"):
+        env.pop(name, None)
+    run = subprocess.run([sys.executable, "-m", "miniddp.drop_in", str(HERE / "drop_in_scripts" / "spawn_ddp.py"),
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=240, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for rank in (0, 1):  # each a fresh interpreter, which re-ran the script as __mp_main__
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert seen == {"class": "miniddp.drop_in.DistributedDataParallel", "backend": "miniddp_debug_gloo",
+                        "name": "__mp_main__"}
+        summary = json.loads((tmp_path / "trace" / f"rank{rank}.buckets.json").read_text())
+        assert len(summary["steps"]) == 2  # spawn_ddp.py's 2 backwards, written as the rank exited
+    assert run.stderr.count(BANNER) == 1
+
+
+NAMES_TORCH_TAKES = ["gloo", "GLOO", "Gloo", "cpu:gloo", "CPU:GLOO", "cuda:gloo", "nccl", "cuda:nccl",
+                     "cpu:gloo,cuda:nccl", "cuda:nccl,cpu:gloo"]
+
+
+@pytest.mark.parametrize("name", NAMES_TORCH_TAKES)
+def test_the_desync_switch_reads_a_backend_name_as_torch_does(name):
+    from torch.distributed.distributed_c10d import BackendConfig
+
+    from miniddp.process_group import debug_backend
+
+    theirs = BackendConfig(torch.distributed.Backend(name)).get_device_backend_map()
+    assert debug_backend.device_backends(name) == {device: str(backend) for device, backend in theirs.items()}
+
+
+def _checked_world_of_one(backend: str, store: Path) -> tuple[str, str, list]:
+    """``init_process_group(backend)`` as the drop-in patches it under MINIDDP_DEBUG=collectives, on one rank."""
+    dist = torch.distributed
+    drop_in._checked_init(dist.init_process_group)(backend, init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        return type(dist.group.WORLD).__name__, dist.get_backend(), t.tolist()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["GLOO", "cpu:gloo", "Cpu:Gloo"])
+def test_the_desync_switch_checks_a_group_torch_would_create(monkeypatch, tmp_path, name):
+    monkeypatch.setenv("MINIDDP_DEBUG", "collectives")
+    assert _checked_world_of_one(name, tmp_path / "store") == ("CheckedGroup", "miniddp_debug_gloo", [1.0, 1.0])
+
+
+def test_a_device_map_is_one_checked_group_that_runs_each_collective_on_its_devices_backend(monkeypatch, tmp_path):
+    from miniddp.process_group import debug_backend
+
+    dist, built = torch.distributed, {}
+    # no NCCL here: a second gloo backend stands in for cuda's; the CPU collective and the routing show the wiring
+    gloo = debug_backend._backend
+    monkeypatch.setattr(debug_backend, "_backend", lambda name, *args: built.setdefault(name, gloo("gloo", *args)))
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    monkeypatch.setenv("MINIDDP_DEBUG", "collectives")
+    drop_in._checked_init(dist.init_process_group)("cpu:gloo,cuda:nccl", init_method=f"file://{tmp_path / 's'}",
+                                                    rank=0, world_size=1)
+    try:
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        group = dist.group.WORLD
+        assert (type(group).__name__, t.tolist()) == ("CheckedGroup", [1.0, 1.0])
+        assert group.inner._get_backend(torch.device("cpu")) is built["gloo"]
+        assert group.inner._get_backend(torch.device("cuda")) is built["nccl"]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_miniddp_launch_refuses_a_package_without_main_before_starting_workers(monkeypatch, tmp_path, capsys):
+    from miniddp.launching.launch import main as launch
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # no default Accelerate config file
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "__init__.py").write_text("")
+    assert launch(["launch", "--dry_run", "--drop_in", "-m", "app"]) == 2  # the launcher's bad-input status
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    (tmp_path / "app" / "__main__.py").write_text("")
+    assert launch(["launch", "--dry_run", "--drop_in", "-m", "app"]) == 0

@@ -173,8 +173,10 @@ def deepspeed_flags(cfg: dict, flags: list[str]) -> list[str]:
 def _check_module(name: str) -> None:
     """Fail in one line now rather than in every worker: is there a module ``name`` to run from here?"""
     sys.path.insert(0, os.getcwd())  # the workers run `python -m name` from here
+    spec = None
     try:
-        found = importlib.util.find_spec(name) is not None
+        spec = importlib.util.find_spec(name)
+        found = spec is not None
     except ModuleNotFoundError as err:  # a parent package is missing
         found = not (err.name and name.startswith(err.name))
     except Exception:  # a parent package fails to import in this process: the workers will say why
@@ -183,6 +185,12 @@ def _check_module(name: str) -> None:
         sys.path.pop(0)
     if not found:
         raise LaunchError(f"no module named {name} (run from the folder that holds it, or install it)")
+    # a package runs its __main__ under -m; looked for on disk (not in a zip), so that it is not imported here
+    folders = list((spec and spec.submodule_search_locations) or [])
+    has_main = any(os.path.isfile(os.path.join(folder, "__main__.py")) for folder in folders)
+    if folders and all(os.path.isdir(folder) for folder in folders) and not has_main:
+        raise LaunchError(f"{name} is a package without a __main__.py: `python -m {name}` cannot run it; "
+                          "name the module to run in it")
 
 
 def main(argv=None) -> int:

@@ -6,14 +6,17 @@ plain optimizer, DDP + ZeroOptimizer (stage 1 or 2), and, locally on every rank,
 The model has a frozen layer, tied weights (embedding and head), two parameter groups and a float64 part (its own
 bucket). DDP and ZeRO see the same averaged gradient, one through an all-reduce and one through a reduce-scatter,
 so they agree to float32 rounding (1e-6); one process, whose sums run in another order, to 1e-5. A negative control
-(the reduce-scatter's sum not divided by N) proves the comparison fails. One multi-rank session per world size
-runs every check, since starting processes is most of the cost.
+(the reduce-scatter's sum not divided by N) proves the comparison fails. On 2 and 3 ranks, the same sessions also
+hold ZeRO over part of the model (a second optimizer on the rest), a param group added after a step, parameters
+outside DDP (against torch's ZeroRedundancyOptimizer) and stages 1 and 2 on a group the desync detector checks.
+One multi-rank session per world size runs every check, since starting processes is most of the cost.
 """
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
 
 import miniddp
 from miniddp.comm_hooks import count_bytes, shard_collectives
@@ -21,6 +24,8 @@ from miniddp.comm_hooks.default_hooks import allreduce_hook
 from miniddp.diagnostics.trace import Tracer
 from miniddp.engine.join import Join
 from miniddp.launching.spawn import run_on_ranks
+from miniddp.process_group import debug_backend
+from miniddp.zero.gradient_shards import PartlyHeld
 
 STEPS, MICRO, BATCH = 3, 2, 4
 TOL_DDP, TOL_ONE = 1e-6, 1e-5
@@ -28,7 +33,7 @@ CAP_MB = 0.0005  # a few buckets for this model, so chunks cut across parameters
 
 
 class Net(nn.Module):
-    def __init__(self, seed):
+    def __init__(self, seed, side=torch.float64):
         super().__init__()
         torch.manual_seed(seed)
         self.emb = nn.Embedding(10, 8)
@@ -38,13 +43,13 @@ class Net(nn.Module):
         self.head = nn.Linear(7, 10, bias=False)
         self.out = nn.Linear(8, 10, bias=False)
         self.out.weight = self.emb.weight  # tied: one parameter, two uses
-        self.side = nn.Linear(7, 3).double()  # another dtype: its own bucket
+        self.side = nn.Linear(7, 3).to(side)  # another dtype: its own bucket
 
     def forward(self, tokens):
         h = self.frozen(self.emb(tokens))
         b = torch.tanh(self.body(h))
         return (self.head(b).square().mean() + self.out(h).square().mean()
-                + self.side(b.double()).square().mean().float())
+                + self.side(b.to(self.side.weight.dtype)).square().mean().float())
 
 
 def _batch(step, micro, rank):
@@ -125,6 +130,12 @@ def _session(rank, world, tmp):
     if world == 2:
         out["refused"] = _refusals()
         out["join"] = {stage: _join(rank, stage) for stage in (1, 2)}
+        out["join_split"] = {stage: _join(rank, stage, split=True) for stage in (1, 2)}
+    if world in (2, 3):
+        out["split"] = {stage: _split(rank, world, stage) for stage in (1, 2)}
+        out["added"] = {stage: _added_group(rank, stage) for stage in (1, 2)}
+        out["outside"] = {stage: _outside(rank, stage) for stage in (1, 2)}
+        out["checked"] = _under_the_detector(rank)
     return out
 
 
@@ -287,21 +298,137 @@ def _refusals():
                 miniddp.DistributedDataParallel(Net(0), bucket_cap_mb="auto"), torch.optim.AdamW))}
 
 
-def _join(rank, stage):
-    """Rank 1 runs out a step early: Join([ddp, zero]) trains what DDP + AdamW under Join([ddp]) trains."""
+def _join(rank, stage, split=False):
+    """Rank 1 runs out a step early: Join([ddp, zero]) trains what DDP + AdamW under Join([ddp]) trains (``split``:
+    ZeRO on part of the model, SGD on the rest, beside both)."""
     ddp_model, zero_model = Net(rank), Net(rank)
     ddp = miniddp.DistributedDataParallel(ddp_model, bucket_cap_mb=CAP_MB)
     zddp = miniddp.DistributedDataParallel(zero_model, bucket_cap_mb=CAP_MB)
-    plain = torch.optim.AdamW(ddp_model.parameters(), lr=0.01)
-    zero = miniddp.ZeroOptimizer(zddp, torch.optim.AdamW, stage=stage, lr=0.01)
+    ddp_groups, zero_groups = (_groups(m) if split else [{"params": list(m.parameters())}]
+                               for m in (ddp_model, zero_model))
+    plain = [torch.optim.AdamW(ddp_groups[0]["params"], lr=0.01)]
+    zero = [miniddp.ZeroOptimizer(zddp, torch.optim.AdamW, stage=stage, params=zero_groups[0]["params"], lr=0.01)]
+    if split:
+        plain.append(torch.optim.SGD(ddp_groups[1]["params"], lr=0.05, momentum=0.9))
+        zero.append(torch.optim.SGD(zero_groups[1]["params"], lr=0.05, momentum=0.9))
     steps = STEPS - rank
-    for model, opt, joinables in ((ddp, plain, [ddp]), (zddp, zero, [zddp, zero])):
+    for model, opts, joinables in ((ddp, plain, [ddp]), (zddp, zero, [zddp, zero[0]])):
         with Join(joinables):
             for step in range(steps):
                 model(_batch(step, 0, rank)).backward()
+                for opt in opts:
+                    opt.step()
+                    opt.zero_grad()
+    return _max_diff(zero_model.parameters(), ddp_model.parameters())
+
+
+def _split(rank, world, stage):
+    """ZeRO over part of the model (AdamW on the embedding and body), SGD with momentum on the rest (a Muon-style
+    split), against DDP + the same two plain optimizers; micro-batches, the first under no_sync."""
+    models = Net(rank), Net(rank)
+    ddps = [miniddp.DistributedDataParallel(m, bucket_cap_mb=CAP_MB) for m in models]
+    optimizers = []
+    for ddp, model in zip(ddps, models):
+        first, rest = (group["params"] for group in _groups(model))
+        zero = miniddp.ZeroOptimizer(ddp, torch.optim.AdamW, stage=stage, params=first, lr=0.01) \
+            if ddp is ddps[1] else torch.optim.AdamW(first, lr=0.01)
+        optimizers.append((zero, torch.optim.SGD(rest, lr=0.05, momentum=0.9)))
+    mixed = isinstance(ddps[1].reducer.collective, PartlyHeld) and any(  # a bucket holding both optimizers'
+        {i in optimizers[1][0].held for i in b.indices} == {True, False} for b in ddps[1].reducer.buckets)
+    rest_grads = []
+    for step in range(STEPS):
+        for ddp, pair in zip(ddps, optimizers):
+            for micro in range(MICRO):
+                with ddp.no_sync() if micro < MICRO - 1 else _nothing():
+                    (ddp(_batch(step, micro, rank)) / MICRO).backward()
+            rest_grads.append(all(p.grad is not None for p in pair[1].param_groups[0]["params"] if p.requires_grad))
+            for opt in pair:
                 opt.step()
                 opt.zero_grad()
-    return _max_diff(zero_model.parameters(), ddp_model.parameters())
+    return {"diff": _max_diff(models[1].parameters(), models[0].parameters()), "mixed": mixed,
+            "rest_grads": all(rest_grads)}
+
+
+def _added_group(rank, stage):
+    """A group added after the first step (its own lr), against DDP + AdamW and torch's ZeroRedundancyOptimizer
+    doing the same; the layout changes under a trained optimizer."""
+    models = [Net(rank) for _ in range(3)]
+    ddps = [miniddp.DistributedDataParallel(m, bucket_cap_mb=CAP_MB) for m in models]
+    groups = [_groups(m) for m in models]
+    opts = [torch.optim.AdamW([groups[0][0]], lr=0.01),
+            miniddp.ZeroOptimizer(ddps[1], torch.optim.AdamW, stage=stage, params=[groups[1][0]], lr=0.01),
+            TorchZeRO(groups[2][0]["params"], torch.optim.AdamW, lr=0.01)]
+    for step in range(STEPS):
+        if step == 1:
+            for opt, g in zip(opts, groups):
+                opt.add_param_group(g[1])  # lr 0.02, no weight decay
+        for ddp, opt in zip(ddps, opts):
+            ddp(_batch(step, 0, rank)).backward()
+            opt.step()
+            opt.zero_grad()
+    return {"ddp": _max_diff(models[1].parameters(), models[0].parameters()),
+            "torch_zero": _max_diff(models[1].parameters(), models[2].parameters()),
+            "lr": opts[1].optim.param_groups[-1]["lr"]}
+
+
+def _outside(rank, stage):
+    """Two parameters outside DDP (a local gradient each, different on every rank) with the model's, against
+    torch's and miniddp's ZeroRedundancyOptimizer (the same owners, stepped with the owner's gradient, broadcast),
+    and the state dict against torch's consolidated one."""
+    def build(seed):  # one dtype: torch's ZeRO takes no other
+        return Net(seed, side=torch.float32), nn.Parameter(torch.randn(5)), nn.Parameter(torch.randn(3))
+    runs = [build(0) for _ in range(3)]
+    ddps = [miniddp.DistributedDataParallel(net, bucket_cap_mb=CAP_MB) for net, _, _ in runs]
+    groups = [[{"params": list(net.parameters())}, {"params": [a, b], "lr": 0.03}] for net, a, b in runs]
+    opts = [miniddp.ZeroOptimizer(ddps[0], torch.optim.AdamW, stage=stage, params=groups[0], lr=0.01),
+            TorchZeRO(groups[1][0]["params"], torch.optim.AdamW, lr=0.01),
+            miniddp.ZeroRedundancyOptimizer(groups[2][0]["params"], torch.optim.AdamW, lr=0.01)]
+    for opt, g in zip(opts[1:], groups[1:]):
+        opt.add_param_group(g[1])
+    for step in range(STEPS):
+        for ddp, (_, a, b), opt in zip(ddps, runs, opts):
+            tokens = _batch(step, 0, rank)
+            (ddp(tokens) + (a.sum() * tokens.float().mean()).square() + b.square().sum() * (rank + 1)).backward()
+            opt.step()
+            opt.zero_grad()
+    params = [[p for g in group for p in g["params"]] for group in groups]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, [p.detach() for p in params[0]])
+    mine = opts[0].state_dict()
+    opts[1].consolidate_state_dict(to=0)
+    state = None
+    if rank == 0:
+        theirs = opts[1].state_dict()
+        state = max((mine["state"][i][k].double() - v.double()).abs().max().item() if i in mine["state"] else
+                    float("inf") for i in theirs["state"] for k, v in theirs["state"][i].items())
+    opts[0].load_state_dict(mine)
+    back = opts[0].state_dict()
+    return {"torch_zero": _max_diff(params[0], params[1]), "ours_stage1": _max_diff(params[0], params[2]),
+            "ranks_agree": all(_max_diff(params[0], other) == 0 for other in everyone), "state": state,
+            "owners": sorted(set(opts[0].owner.values())), "reloaded": all(
+                torch.equal(back["state"][i][k], v) for i in mine["state"] for k, v in mine["state"][i].items())}
+
+
+def _under_the_detector(rank):
+    """Stages 1 and 2 on a group the desync detector checks (MINIDDP_DEBUG=collectives' backend), against the same
+    run on the plain group: bitwise the same, and the direct exchanges were checked message by message."""
+    checked = dist.new_group(backend=debug_backend.register("gloo"))
+
+    def run(stage, group):
+        ddp = miniddp.DistributedDataParallel(Net(rank), bucket_cap_mb=CAP_MB, process_group=group)
+        zero = miniddp.ZeroOptimizer(ddp, torch.optim.AdamW, stage=stage, params=_groups(ddp.module), lr=0.01)
+        for step in range(STEPS):
+            ddp(_batch(step, 0, rank)).backward()
+            zero.clip_grad_norm_(0.05)
+            zero.step()
+            zero.zero_grad()
+        return torch.cat([p.detach().flatten() for p in ddp.parameters()])
+
+    try:
+        same = {stage: torch.equal(run(stage, checked), run(stage, None)) for stage in (1, 2)}
+    except RuntimeError as error:  # every rank fails alike here (the first backward): this test fails, not all
+        return {"bitwise": type(error).__name__}
+    return {"bitwise": same, "collectives": checked.seq, "messages": sum(checked.channels.values())}
 
 
 @pytest.fixture(scope="module")
@@ -374,6 +501,7 @@ def test_what_zero_through_the_engine_refuses(sessions):
 def test_uneven_inputs_under_join_train_what_ddp_and_adamw_train(sessions):
     for result in sessions[2]:
         assert result["join"][1] <= TOL_DDP and result["join"][2] <= TOL_DDP
+        assert result["join_split"][1] <= TOL_DDP and result["join_split"][2] <= TOL_DDP
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -397,3 +525,40 @@ def test_ranks_that_own_nothing_still_train_what_ddp_trains(sessions):
     few = [result["few"] for result in sessions[4]]
     assert 0 in [f["pieces"] for f in few] and 0 in [f["owned"] for f in few]  # the case is really there
     assert all(f["zero"] <= TOL_DDP and f["stage1"] <= TOL_DDP for f in few)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_zero_over_part_of_the_model_leaves_the_rest_to_a_second_optimizer(sessions, world):
+    for rank, result in enumerate(sessions[world]):
+        for stage, split in result["split"].items():
+            assert split["mixed"], "no bucket holds both optimizers' parameters: the case is not there"
+            assert split["rest_grads"], f"rank {rank}, stage {stage}: the rest has no .grad after backward"
+            assert split["diff"] <= TOL_DDP, f"rank {rank}, stage {stage}"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_param_group_added_later_is_stepped_as_adamw_and_torchs_zero_step_it(sessions, world):
+    for rank, result in enumerate(sessions[world]):
+        for stage, added in result["added"].items():
+            case = f"rank {rank}, stage {stage}"
+            assert added["ddp"] <= TOL_DDP and added["torch_zero"] <= TOL_DDP, case
+            assert added["lr"] == 0.02, case
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_parameters_outside_ddp_are_stepped_by_their_owner_as_torchs_zero_steps_them(sessions, world):
+    for rank, result in enumerate(sessions[world]):
+        for stage, out in result["outside"].items():
+            case = f"rank {rank}, stage {stage}"
+            assert out["owners"] != [0], case  # two owners: the wrong rank's gradient would show
+            assert out["torch_zero"] <= TOL_DDP and out["ours_stage1"] <= TOL_DDP, case
+            assert out["ranks_agree"] and out["reloaded"], case
+            assert rank != 0 or out["state"] <= TOL_DDP, case
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_stages_1_and_2_train_under_the_desync_detector_as_without_it(sessions, world):
+    for result in sessions[world]:
+        checked = result["checked"]
+        assert checked["bitwise"] == {1: True, 2: True}
+        assert checked["collectives"] > 0 and checked["messages"] > 0  # it did check, collectives and exchanges

@@ -4,11 +4,12 @@ What
     ``reduce_scatter(output, input, group)``: ``input`` is ``world_size`` equal chunks; rank r's ``output`` is the
     sum over ranks of their chunk r; returns a future of ``output``. ``all_gather(output, input, group)``: every
     rank's ``input`` concatenated into ``output``; returns something to ``wait()`` on. Both add their payload to
-    ``count_bytes()`` (``byte_count.py``). On gloo they are direct point-to-point exchanges: every rank sends chunk j
-    to rank j (and receives its own chunk from every rank), or its chunk to every rank, all posted at once with
-    ``dist.batch_isend_irecv``; a thread waits for the receives and completes the future. Each message is cut into
-    segments of at most ``SEGMENT_BYTES`` (both ends cut a tensor alike, so they pair up in order). On NCCL and
-    others, torch's ``reduce_scatter_single`` / ``all_gather_single``.
+    ``count_bytes()`` (``byte_count.py``), as does ``broadcast`` (a parameter outside the buckets, owned whole).
+    On gloo (the desync detector's checked gloo too: ``backend_name``) they are direct point-to-point exchanges:
+    every rank sends chunk j to rank j (and receives its own chunk from every rank), or its chunk to every rank,
+    all posted at once with ``dist.batch_isend_irecv``; a thread waits for the receives and completes the future.
+    Each message is cut into segments of at most ``SEGMENT_BYTES`` (both ends cut a tensor alike, so they pair up
+    in order). On NCCL and others, torch's ``reduce_scatter_single`` / ``all_gather_single``.
 
 Why
     ZeRO's promise is that a reduce-scatter plus an all-gather cost what one all-reduce costs: (N-1)/N of the bucket
@@ -34,6 +35,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from ..process_group.debug_backend import backend_name
 from .byte_count import record
 
 SEGMENT_BYTES = 512 * 1024  # the largest message the direct exchanges post
@@ -54,7 +56,7 @@ def _exchange(send: torch.Tensor, to: int, receive: torch.Tensor, source: int, g
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group) -> torch.futures.Future:
     """Rank r's ``output`` = the sum over ranks of chunk r of their ``input``; a future of ``output``, counted."""
     record("reduce_scatter", input)
-    if dist.get_backend(group) != "gloo":
+    if backend_name(group) != "gloo":
         return _reduce_scatter_single(output, input, group=group, async_op=True).get_future().then(lambda _: output)
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     chunks, received = input.view(n, -1), input.new_empty(max(n - 1, 0), output.numel())
@@ -94,7 +96,7 @@ class _Works:
 def all_gather(output: torch.Tensor, input: torch.Tensor, group):
     """``input`` from every rank, concatenated into ``output``; returns what to ``wait()`` on, counted."""
     record("all_gather", input)
-    if dist.get_backend(group) != "gloo":
+    if backend_name(group) != "gloo":
         return _all_gather_single(output, input, group=group, async_op=True)
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     slots = output.view(n, -1)
@@ -106,13 +108,20 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group):
     return _Works(dist.batch_isend_irecv(ops) if ops else [])
 
 
+def broadcast(tensor: torch.Tensor, source: int, group):
+    """``tensor`` from global rank ``source`` into every rank's (a parameter ZeRO owns whole); returns what to
+    ``wait()`` on, counted."""
+    record("broadcast", tensor)
+    return dist.broadcast(tensor, source, group=group, async_op=True)
+
+
 def all_gather_pieces(pieces_by_rank: list[list], chunk: int, like: torch.Tensor, group):
     """One bucket's parameters from their owners: ``pieces_by_rank[r]`` are rank r's pieces of the bucket (each with
     ``.tensor``, a view of a parameter, and ``.offset`` in the chunk of ``chunk`` elements); after ``wait()`` every
     piece holds its owner's values. gloo: each piece sent straight from the owner's parameter into the others'
     (no flat copy on either side); elsewhere one ``all_gather`` of the chunks, copied into the pieces."""
     n, rank = dist.get_world_size(group), dist.get_rank(group)
-    if dist.get_backend(group) != "gloo":
+    if backend_name(group) != "gloo":
         mine = like.new_zeros(chunk)
         for piece in pieces_by_rank[rank]:
             mine[piece.offset : piece.offset + piece.tensor.numel()] = piece.tensor

@@ -10,6 +10,9 @@ What
     this rank's chunk of the mean into its shard (accumulating, as ``.grad`` does, until ``zero_grad``). With
     ``frees_gradients`` (stage 2), each ``.grad`` is dropped as its bucket goes out and the bucket's buffer gives
     its memory back once the result has landed (``begin`` takes it again for the next backward).
+    ``PartlyHeld`` is the collective when ``ZeroOptimizer`` holds only some of DDP's parameters (another optimizer
+    steps the rest): a bucket wholly held goes through ``ReduceScatterMean``, any other is all-reduced as under
+    plain DDP, the rest's ``.grad`` set from the mean and the held pieces given their chunk of it.
 
 Why
     After an all-reduce every rank holds the whole averaged gradient but steps only its shard of the optimizer
@@ -21,13 +24,16 @@ How torch and DeepSpeed differ
     torch's DDP has no sharded gradients. DeepSpeed's stage 2 (``deepspeed/runtime/zero/stage_1_and_2.py``)
     partitions each param group's flat buffer in rank order and reduces its own gradient buckets into the owners'
     partitions. Here the partition *is* the bucket layout, so one reduce-scatter per bucket suffices; it is fixed
-    when the optimizer attaches (the reducer does not rebuild the buckets afterwards).
+    when the optimizer attaches (the reducer does not rebuild the buckets afterwards). DeepSpeed's ZeRO reduces
+    only the gradients of the parameters its optimizer holds; torch's ``ZeroRedundancyOptimizer`` sits beside DDP's
+    all-reduce, so a second optimizer there sees averaged gradients, as it does here (``PartlyHeld``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..comm_hooks.byte_count import all_reduce
 from ..comm_hooks.shard_collectives import reduce_scatter
 from ..engine.bucket_collective import BucketCollective
 
@@ -147,3 +153,49 @@ class ReduceScatterMean(BucketCollective):
     def dividing_by(self, n: int) -> ReduceScatterMean:
         return ReduceScatterMean(self.shards, n, self.frees_gradients)
 # --8<-- [end:collective]
+
+
+# --8<-- [start:partly_held]
+class PartlyHeld(BucketCollective):
+    """ZeRO over part of DDP's parameters: a bucket whose every parameter ZeroOptimizer holds (``held``: reducer
+    indices) is ``inner``'s (the reduce-scatter); any other is all-reduced, since the parameters another optimizer
+    steps need the whole mean, as plain DDP gives it. Its held pieces take their chunk of that mean."""
+
+    claimed_by = "ZeroOptimizer"
+
+    def __init__(self, inner: ReduceScatterMean, shards: Shards, held: set[int]):
+        self.inner, self.shards, self.held = inner, shards, held
+        self.divisor, self.call_order = inner.divisor, inner.call_order
+
+    def whole(self, bucket) -> bool:
+        return all(i in self.held for i in bucket.indices)
+
+    def begin(self, buckets) -> None:
+        self.inner.begin(buckets)
+
+    def issue(self, bucket, flat, is_last, group):
+        return self.inner.issue(bucket, flat, is_last, group) if self.whole(bucket) else all_reduce(flat, group)
+
+    def result(self, bucket, value) -> torch.Tensor:
+        return self.inner.result(bucket, value) if self.whole(bucket) else super().result(bucket, value)
+
+    def land(self, bucket, result, counts, as_view) -> None:
+        if self.whole(bucket):
+            return self.inner.land(bucket, result, counts, as_view)
+        bucket.write_back(result, [0 if i in self.held else c for i, c in enumerate(counts)], as_view)
+        rest = [(p, p.grad) for i, p in zip(bucket.indices, bucket.params) if i not in self.held]
+        self.inner.land(bucket, self._chunk(bucket, result), counts, as_view)  # drops every .grad (stage 2: frees)
+        for param, grad in rest:  # ...but the rest's mean is theirs to keep, as under DDP
+            param.grad = grad
+
+    def land_joined(self, bucket, result, counts) -> None:
+        self.inner.land_joined(bucket, result if self.whole(bucket) else self._chunk(bucket, result), counts)
+
+    def _chunk(self, bucket, mean: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of the bucket's whole mean: what the reduce-scatter would have given it."""
+        size = self.shards.chunk[bucket.index]
+        return self.shards.padded(bucket.index, mean)[self.shards.rank * size :][:size].clone()
+
+    def dividing_by(self, n: int) -> PartlyHeld:
+        return PartlyHeld(self.inner.dividing_by(n), self.shards, self.held)
+# --8<-- [end:partly_held]

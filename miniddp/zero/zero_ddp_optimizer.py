@@ -7,6 +7,9 @@ What
     their ``.grad``. ``step()`` then all-gathers each bucket's updated parameters, bucket by bucket. Its
     ``param_groups`` are the whole model's (schedulers change them); ``state_dict()`` gathers the full state in
     ``torch.optim``'s format, and ``load_state_dict`` cuts it again, so a checkpoint moves between world sizes.
+    It may hold part of the DDP (``params=``): the rest keep DDP's averaged ``.grad`` for another optimizer
+    (``gradient_shards.PartlyHeld``). A group added later is stepped; a parameter outside DDP's buckets is owned
+    whole by one rank, as under torch's ``ZeroRedundancyOptimizer``, and broadcast after the step.
 
     - stage 1: the full gradient exists during backward (accumulation under ``no_sync`` is DDP's, full-size) and
       DDP's buckets keep their memory; only the optimizer state is sharded.
@@ -25,7 +28,9 @@ How torch and DeepSpeed differ
     ``DeepSpeedZeroOptimizer`` (``stage_1_and_2.py``) is this class's model: flat partitions, a reduce-scatter,
     an all-gather, clipping on the shards; it refuses ``no_sync`` under stage 2. Only elementwise optimizers (SGD,
     Adam, AdamW, ...) give the same step on pieces as on whole tensors; one that reads a whole tensor (LAMB's
-    trust ratio, Adafactor's factored moments) does not, as in DeepSpeed's flat partitions.
+    trust ratio, Adafactor's factored moments) does not, as in DeepSpeed's flat partitions. DeepSpeed reduces
+    only its own optimizer's gradients and takes one optimizer (Muon and AdamW as one ``MuonWithAuxAdam``); here
+    a second optimizer beside ZeRO gets DDP's averages, as beside torch's ``ZeroRedundancyOptimizer``.
 """
 
 from __future__ import annotations
@@ -35,9 +40,10 @@ import functools
 import torch
 import torch.distributed as dist
 
-from ..comm_hooks.shard_collectives import all_gather_pieces
+from ..comm_hooks.shard_collectives import all_gather_pieces, broadcast
 from ..engine.join import Joinable, JoinHook, Round
-from .gradient_shards import ReduceScatterMean, Shards
+from .gradient_shards import PartlyHeld, ReduceScatterMean, Shards
+from .zero_partition import partition_by_size
 
 
 class ZeroJoinHook(JoinHook):
@@ -62,6 +68,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
                              "stage 0 is plain DDP with optimizer_class, stage 3 is not implemented in miniddp")
         reducer = ddp.reducer
         _check_attachable(ddp)
+        self.attached = False  # add_param_group, called by Optimizer.__init__, lays out only once we are set up
         super().__init__(ddp.parameters() if params is None else params, defaults)
         self.stage, self.ddp = stage, ddp
         self.world_size, self.rank = reducer.world_size, dist.get_rank(reducer.group)
@@ -69,23 +76,57 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         self.shards = Shards(reducer.buckets, self.rank, self.world_size)
         self.pieces_of = [self.shards.pieces if r == self.rank else Shards(reducer.buckets, r, self.world_size).pieces
                           for r in range(self.world_size)]  # pieces_of[rank][bucket]: whose elements are whose
-        reducer.collective = ReduceScatterMean(self.shards, self.world_size, frees_gradients=stage == 2)
+        self.reduce_scatter = ReduceScatterMean(self.shards, self.world_size, frees_gradients=stage == 2)
+        self._lay_out()
         self.optim = optimizer_class(self._local_groups(), **defaults)  # steps this rank's pieces only
         self.defaults = self.optim.defaults  # every option (AdamW's betas too), so state_dict() loads anywhere
         for group, local in zip(self.param_groups, self.optim.param_groups):
             group.update({k: v for k, v in local.items() if k != "params"})
+        self.attached = True
     # --8<-- [end:attach]
 
+    # --8<-- [start:layout]
+    def _lay_out(self) -> None:
+        """Who steps what, from the param groups. A parameter in DDP's buckets is held in pieces (``Shards``); one
+        outside them (not in this DDP, or left out of its buckets) is owned whole by the rank torch's
+        ``ZeroRedundancyOptimizer`` gives it (``partition_by_size`` over the same groups), stepped there with its
+        local gradient and broadcast, as torch's is. Buckets with parameters no group holds are all-reduced
+        (``PartlyHeld``): another optimizer steps those, with DDP's averaged ``.grad``."""
+        reducer = self.ddp.reducer
+        mine = {id(p) for group in self.param_groups for p in group["params"]}
+        bucketed = {id(p) for bucket in reducer.buckets for p in bucket.params}
+        self.held = {i for b in reducer.buckets for i, p in zip(b.indices, b.params) if id(p) in mine}
+        owned = partition_by_size(self.param_groups, self.world_size)  # owned[rank][group], whole parameters
+        self.owner = {id(p): rank for rank, groups in enumerate(owned) for group in groups for p in group
+                      if id(p) not in bucketed and p.requires_grad}  # a frozen one is never stepped, never sent
+        self.outside = [p for group in self.param_groups for p in group["params"] if id(p) in self.owner]
+        everything = len(self.held) == sum(len(b.indices) for b in reducer.buckets)
+        reducer.collective = self.reduce_scatter if everything else \
+            PartlyHeld(self.reduce_scatter, self.shards, self.held)
+
     def _local_groups(self) -> list[dict]:
-        """Each param group's options with this rank's pieces of its parameters (maybe none)."""
+        """Each param group's options with this rank's pieces of its parameters and the outside ones it owns."""
         group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
         mine = [[] for _ in self.param_groups]
         for pieces in self.shards.pieces:
             for piece in pieces:
                 if id(piece.param) in group_of:  # a parameter no group holds is not stepped (as torch.optim)
                     mine[group_of[id(piece.param)]].append(piece.tensor)
+        for param in self.outside:
+            if self.owner[id(param)] == self.rank:
+                mine[group_of[id(param)]].append(param)
         return [{**{k: v for k, v in group.items() if k != "params"}, "params": ps}
                 for group, ps in zip(self.param_groups, mine)]
+
+    def add_param_group(self, param_group: dict) -> None:
+        """``torch.optim``'s checks and defaults; once attached, the group is laid out as the others were (its
+        pieces and owned parameters join the local optimizer), so the next ``step()`` steps it, as torch's does."""
+        super().add_param_group(param_group)
+        if self.attached:
+            self._lay_out()
+            self.optim.add_param_group(self._local_groups()[-1])
+            self.param_groups[-1].update({k: v for k, v in self.optim.param_groups[-1].items() if k != "params"})
+    # --8<-- [end:layout]
 
     # --8<-- [start:step]
     def step(self, closure=None):
@@ -99,10 +140,15 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         return loss
 
     def _gather_parameters(self) -> None:
-        """Each bucket's pieces from their owners, every bucket's exchange posted before any is waited for."""
-        shards, group = self.shards, self.ddp.reducer.group
-        pending = [all_gather_pieces([owner[b] for owner in self.pieces_of], shards.chunk[b], bucket.buffer, group)
-                   for b, bucket in enumerate(shards.buckets)]
+        """Each bucket's held pieces from their owners, each outside parameter from its owner: every exchange
+        posted before any is waited for."""
+        group = self.ddp.reducer.group
+        pending = []
+        for b, bucket in enumerate(self.shards.buckets):
+            pieces = [[piece for piece in owner[b] if piece.index in self.held] for owner in self.pieces_of]
+            if any(pieces):  # a bucket no group holds is another optimizer's, stepped alike on every rank
+                pending.append(all_gather_pieces(pieces, self.shards.chunk[b], bucket.buffer, group))
+        pending += [broadcast(p.detach(), dist.get_global_rank(group, self.owner[id(p)]), group) for p in self.outside]
         for work in pending:
             work.wait()
     # --8<-- [end:step]
@@ -142,6 +188,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         local = [(index[id(piece.param)], piece.start, _to_cpu(self.optim.state[piece.tensor]))
                  for pieces in self.shards.pieces for piece in pieces
                  if id(piece.param) in index and piece.tensor in self.optim.state]
+        local += [(index[id(p)], 0, _to_cpu(self.optim.state[p])) for p in self.outside if p in self.optim.state]
         everyone = [None] * self.world_size
         dist.all_gather_object(everyone, local, group=self.ddp.reducer.group)
         parts: dict[int, list] = {}
@@ -171,6 +218,12 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
                         k: (v.detach().reshape(-1)[piece.start : piece.stop].clone().to(piece.tensor.device)
                             if _elementwise(v) else v.detach().clone() if torch.is_tensor(v) else v)
                         for k, v in saved.items()}
+        for param in self.outside:  # owned whole: the whole state, on its owner
+            saved = state_dict["state"].get(index[id(param)])
+            if saved is not None and self.owner[id(param)] == self.rank:
+                self.optim.state[param] = {k: (v.detach().clone().to(param.device) if _elementwise(v) else
+                                               v.detach().clone() if torch.is_tensor(v) else v)
+                                           for k, v in saved.items()}
     # --8<-- [end:state_dict]
 
     def join_hook(self, **kwargs) -> ZeroJoinHook:
@@ -201,6 +254,9 @@ def _check_attachable(ddp) -> None:
     if ddp.auto_cap is not None:
         raise ValueError("ZeroOptimizer: bucket_cap_mb='auto' rebuilds the buckets after the first step; ZeRO "
                          "keeps the first ones: give a number of MiB")
+    if any(reducer.sparse):
+        raise ValueError(f"ZeroOptimizer: {reducer.names[reducer.sparse.index(True)]} gets sparse gradients "
+                         "(sparse=True) and ZeRO shards dense buckets; use sparse=False, or plain DDP")
 # --8<-- [end:refusals]
 
 

@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import ast
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
 from miniddp.comm_hooks.grad_bucket import hook_result
-from miniddp.teaching.exercise import exercise_command
+from miniddp.teaching.exercise import exercise_command, keeper
 from miniddp.teaching.exercise.catalog import EXERCISES
 from miniddp.teaching.exercise.exercise_command import main, run_checks
+from miniddp.teaching.exercise.swap import LearnerFileError
 
 S, A = "tests/test_sharding.py::", "tests/test_averaging.py::"
 SAME, EDGE = S + "test_same_indices_as_torch_distributed_sampler", S + "test_edge_cases_match_torch"
@@ -195,3 +200,180 @@ def test_a_block_not_written_yet_shows_no_example_and_a_wrong_value_does():
         exc.add_note("Falsifying example: test(n=3)")
     assert not any("Falsifying" in line for line in explain(todo))  # fails on any input: the example is noise
     assert any("Falsifying" in line for line in explain(wrong))
+
+
+# --- nothing of the session outlives the check; nothing in it changes what the check compares with -------------
+
+def _alive(procs) -> list[int]:
+    """Those of ``procs`` (pid, start time) still running: a pid reused since is another process."""
+    left = []
+    for pid, start in procs:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if fields[19] == start and fields[0] not in "ZX":
+            left.append(pid)
+    return left
+
+
+def _started(pids) -> set[tuple[int, str]]:
+    """(pid, start time) of each of ``pids`` still there: how ``_alive`` knows a process again."""
+    found = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                found.add((pid, f.read().rpartition(")")[2].split()[19]))
+        except OSError:
+            pass
+    return found
+
+
+def _kill(procs) -> None:
+    for pid in _alive(procs):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _poll(condition, bound_s: float, step_s: float = 0.1):
+    """``condition()`` once it is true, or its last value after ``bound_s``."""
+    deadline = time.monotonic() + bound_s
+    while not (value := condition()) and time.monotonic() < deadline:
+        time.sleep(step_s)
+    return value
+
+
+MARKS_PID = "open(os.path.join({marks!r}, str(os.getpid())), 'w').close()"
+HANGS_WITH_A_CHILD = '''
+import os
+import time
+
+if os.fork() == 0:  # a child of the session's process
+    {mark}
+    time.sleep(600)
+    os._exit(0)
+{mark}
+while True:  # the import never ends: the check is signalled meanwhile
+    time.sleep(0.1)
+
+
+class ShardSampler:
+    pass
+'''
+
+
+def test_a_check_ended_by_sigterm_sighup_or_sigkill_leaves_no_process_of_its_session(tmp_path):
+    signals = (signal.SIGTERM, signal.SIGHUP, signal.SIGKILL)
+    checks, tracked, began = {}, set(), time.monotonic()
+    try:
+        for signum in signals:  # in parallel: a check's start is mostly importing torch, twice
+            marks = tmp_path / signum.name / "marks"
+            marks.mkdir(parents=True)
+            _write(marks.parent, "sharding", HANGS_WITH_A_CHILD.format(mark=MARKS_PID.format(marks=str(marks))))
+            checks[signum] = subprocess.Popen(
+                [sys.executable, "-m", "miniddp", "exercise", "check", "sharding", "--dir", str(marks.parent)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        for signum, check in checks.items():  # the session's process and its child are both running
+            marks = tmp_path / signum.name / "marks"
+            assert _poll(lambda: len(list(marks.iterdir())) == 2 or check.poll() is not None, 600)
+            assert check.poll() is None
+        started_s = time.monotonic() - began
+        for signum, check in checks.items():
+            session = {pid for pid, _, _ in keeper.descendants(check.pid)}  # the keeper, pytest, the child
+            marked = {int(p.name) for p in (tmp_path / signum.name / "marks").iterdir()}
+            assert marked <= session
+            tracked |= _started(session | {check.pid})
+            check.send_signal(signum)
+        for signum, check in checks.items():
+            check.wait(10 * started_s)  # a bound from this run: ending is far quicker than starting
+            assert check.returncode == (-signum if signum == signal.SIGKILL else 128 + signum)
+        assert _poll(lambda: not _alive(tracked), 10 * started_s)
+        assert _alive(tracked) == []
+    finally:
+        for check in checks.values():
+            check.kill()
+            check.wait()
+        _kill(tracked)
+
+
+DETACHES = '''
+import os
+import time
+
+if os.fork() == 0:
+    os.setsid()  # out of the check's process session: no sweep of that session reaches it
+    os.fork()  # and a child of its own
+    {mark}
+    time.sleep(600)
+    os._exit(0)
+while len(os.listdir({marks!r})) < 2:  # both are running before the import fails
+    time.sleep(0.05)
+raise RuntimeError("the file does not load: the check ends at once")
+
+
+class ShardSampler:
+    pass
+'''
+
+
+def test_a_process_the_learners_file_detached_with_setsid_ends_with_the_check(tmp_path):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    path = _write(tmp_path / "mine", "sharding", DETACHES.format(mark=MARKS_PID.format(marks=str(marks)),
+                                                                  marks=str(marks)))
+    tracked = set()
+    try:
+        with pytest.raises(LearnerFileError):
+            run_checks([("sharding", path, [SAME], 60)])
+        tracked = _started(int(p.name) for p in marks.iterdir())
+        assert len(list(marks.iterdir())) == 2 and _poll(lambda: not _alive(tracked), 30)
+    finally:
+        tracked |= _started(int(p.name) for p in marks.iterdir())
+        _kill(tracked)
+
+
+MEAN = A + "test_average_gradients_is_the_mean_over_ranks"
+SUMS_AND_SILENCES_ASSERT_CLOSE = '''
+import torch
+import torch.distributed as dist
+
+torch.testing.assert_close = lambda *args, **kwargs: None  # at import: every comparison would pass
+
+
+def average_gradients(params, group=None, predivide=True):
+    params = params.parameters() if isinstance(params, torch.nn.Module) else params
+    grads = [p.grad for p in params if p.grad is not None]
+    for grad in grads:
+        dist.all_reduce(grad, group=group)  # the sum, never divided: a wrong mean
+    return len(grads)
+'''
+RIGHT_BUT_SILENCES_WHEN_CALLED = '''
+import torch
+
+from miniddp.by_hand.averaging import {name} as reference
+
+
+def {name}(*args, **kwargs):
+    torch.testing.assert_close = lambda *args, **kwargs: None  # when called: {where}
+    return reference(*args, **kwargs)
+{more}'''
+
+
+def test_a_file_that_replaces_assert_close_fails_the_check(tmp_path):
+    at_import = _write(tmp_path / "import", "averaging", SUMS_AND_SILENCES_ASSERT_CLOSE)
+    in_session = _write(tmp_path / "session", "ring", RIGHT_BUT_SILENCES_WHEN_CALLED.format(
+        name="chunk_bounds", where="in the spec's own process",
+        more="\n\ndef ring_all_reduce(tensor, group=None):\n    return tensor\n"))
+    in_rank = _write(tmp_path / "rank", "averaging", RIGHT_BUT_SILENCES_WHEN_CALLED.format(
+        name="average_gradients", where="in a rank", more=""))
+    imported, session, rank = exercise_command.check_batch([
+        ("averaging", at_import, [MEAN], 60), ("ring", in_session, [CHUNKS], 60), ("averaging", in_rank, [MEAN], 60)])
+    # a wrong mean is never reported passing: the file does not load, and the error names what it replaced
+    assert isinstance(imported, LearnerFileError) and "torch.testing.assert_close" in str(imported)
+    # right values, but a comparison replaced while the spec ran: the item fails, naming it
+    for [item] in (session, rank):
+        assert item["outcome"] == "failed" and not item["passed"], item
+        assert "ComparisonReplacedError" in item["reason"] and "torch.testing.assert_close" in item["reason"]

@@ -1,11 +1,13 @@
 """The check's pytest session, bounded in time and memory whatever the learner's file does.
 
 What
-    ``run_bounded(batch, memory_mb)`` runs the exercise plugin's pytest session (``report.py``) in
-    its own process session and watches it from this process, which never imports the learner's
-    file: it sums the memory of every process of that session (pytest, the forkserver, the ranks and
-    whatever they start) and reads the session's journal, one JSON line per event (a file being
-    imported, a test case started, a result). The session is killed, all of it, when its memory
+    ``run_bounded(batch, memory_mb)`` runs the exercise plugin's pytest session (``report.py``)
+    under a keeper (``keeper.py``) that holds every process the session starts, however it
+    detaches, and kills them all when this process ends, whatever ends it. It watches the session
+    from this process, which never imports the learner's file: it sums the memory of every process
+    under the keeper (pytest, the forkserver, the ranks and whatever they start) and reads the
+    session's journal, one JSON line per event (a file being imported, a test case started, a
+    result). The session is killed, all of it, when its memory
     passes ``memory_mb`` or when the step in progress runs past its bound (a test case: its timeout
     plus a grace; importing a file: the same). The step in progress is then reported as stopped
     (for memory or time, with the cap), that implementation's remaining items as not run, and the
@@ -27,13 +29,13 @@ from __future__ import annotations
 import collections
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 
+from .keeper import descendants
 from .swap import LearnerFileError
 
 BATCH_ENV, JOURNAL_ENV = "MINIDDP_EXERCISE_BATCH", "MINIDDP_EXERCISE_JOURNAL"
@@ -41,6 +43,8 @@ MEMORY_MB = 4096  # the whole session together (PSS); a reference check uses abo
 GRACE_S = 20.0  # past a step's own timeout, before this process kills the session
 BETWEEN_S = 300.0  # any other stretch without an event: pytest, torch and the spec's modules importing
 POLL_S = 0.25
+KEEPER_WAIT_S = 60.0  # for the keeper to have killed the whole session: SIGKILL takes effect at once
+KEEPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "keeper.py")  # run as a file: no torch
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -99,10 +103,13 @@ def _session(batch, memory_mb, command, cwd, env) -> tuple[list[dict], dict | No
         with open(listing, "w", encoding="utf-8") as f:
             json.dump(batch, f)
         open(journal, "w").close()
-        proc = subprocess.Popen(command, cwd=cwd, env={**env, BATCH_ENV: listing, JOURNAL_ENV: journal},
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        # the keeper (``keeper.py``) runs the session and holds all it starts: it ends them all when this
+        # process closes the keeper's stdin, which the kernel does too if this process is killed
+        proc = subprocess.Popen([sys.executable, "-I", "-S", KEEPER, *command], cwd=cwd,
+                                env={**env, BATCH_ENV: listing, JOURNAL_ENV: journal},
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, errors="replace",
-                                start_new_session=True)  # its own session: every process it starts is ours to count
+                                start_new_session=True)  # a terminal's Ctrl-C or hangup reaches this process only
         tail = collections.deque(maxlen=40)  # its last words; read as it goes, so a chatty test never blocks
         reader = threading.Thread(target=lambda: tail.extend(proc.stdout), daemon=True)
         reader.start()
@@ -111,8 +118,7 @@ def _session(batch, memory_mb, command, cwd, env) -> tuple[list[dict], dict | No
             with open(journal, encoding="utf-8") as feed:
                 ending = _watch(proc, feed, batch, memory_mb, events, state)
         finally:  # however this ends (a bound, the session's own end, Ctrl-C here): nothing of it survives
-            _kill_session(proc.pid)
-            proc.wait()
+            _end_session(proc)
             reader.join(5)
         step = state["step"]
     if ending is None and not (events and events[-1]["event"] == "end"):
@@ -160,25 +166,11 @@ def _watch(proc, feed, batch, memory_mb, events, state) -> dict | None:
                             f"{limit} s per test case, which did not stop it: the check was killed"}
 
 
-def _session_members(session: int) -> list[tuple[int, int]]:
-    """(pid, resident pages) of each live process of ``session``; zombies hold no memory and cannot be killed."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rpartition(")")[2].split()
-            except OSError:  # gone meanwhile
-                continue
-            if int(fields[3]) == session and fields[0] not in "ZX":
-                members.append((int(entry), int(fields[21])))
-    return members
-
-
-def _memory_mb(session: int, cap_mb: float) -> float:
-    """The session's memory: the sum of its processes' resident sizes, counting a page shared by forked
-    ranks once (PSS), which is read only when the cheaper sum of RSS, an upper bound, passes the cap."""
-    members = _session_members(session)
+def _memory_mb(keeper: int, cap_mb: float) -> float:
+    """The session's memory: the sum of the resident sizes of the keeper's descendants (zombies hold none),
+    counting a page shared by forked ranks once (PSS), which is read only when the cheaper sum of RSS, an
+    upper bound, passes the cap."""
+    members = [(pid, pages) for pid, state, pages in descendants(keeper) if state not in "ZX"]
     rss = sum(pages for _, pages in members) * _PAGE / 2**20
     if rss <= cap_mb:
         return rss
@@ -192,18 +184,18 @@ def _memory_mb(session: int, cap_mb: float) -> float:
     return pss
 
 
-def _kill_session(session: int) -> None:
-    """SIGKILL every process of the session, until none is left (a rank may be forking as we go)."""
-    for _ in range(50):
-        members = [pid for pid, _ in _session_members(session)]
-        if not members:
-            return
-        for pid in members:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.05)
+def _end_session(proc) -> None:
+    """Close the keeper's lifeline and wait for it to have ended every process of the session; a keeper
+    that does not end is killed (what it held is then orphaned: the one case this cannot cover)."""
+    try:
+        proc.stdin.close()
+    except OSError:
+        pass
+    try:
+        proc.wait(KEEPER_WAIT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def pytest_command(tests) -> list[str]:

@@ -2,13 +2,17 @@
 
 This process never runs a line of the learner's file: it reads and compiles it for a first one-line
 error, then hands it to a bounded pytest session (``bounds.py``) that imports it and runs the spec.
+SIGTERM and SIGHUP end it as Ctrl-C does, the session with it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from .bounds import MEMORY_MB, pytest_command, run_bounded
@@ -138,7 +142,32 @@ def _report(chosen, items) -> int:
     return 0 if items and passing == len(items) else 1  # 0 only when every item positively passed
 
 
+@contextlib.contextmanager
+def _signals_end_the_check():
+    """SIGTERM and SIGHUP (a closed terminal) end the check as Ctrl-C does, through its ``finally`` blocks,
+    which end the session (were this process killed outright, the session's keeper would end it)."""
+    def stop(signum, frame):
+        for name in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(name, signal.SIG_DFL)  # a second signal during the clean-up ends this process at once
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    before = {name: signal.signal(name, stop) for name in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:  # called in a process of its own (a test's), its handlers are its own again
+        for name, handler in before.items():
+            signal.signal(name, handler)
+
+
 def main(argv=None) -> int:
+    with _signals_end_the_check():
+        return _main(argv)
+
+
+def _main(argv) -> int:
     parser = argparse.ArgumentParser(prog="miniddp exercise", description="Build DDP yourself, checked by its spec.")
     sub = parser.add_subparsers(dest="command", required=True)
     listing = sub.add_parser("list", help="the exercises in learning order, with their status")

@@ -10,7 +10,9 @@ Each test case (one parametrisation) has the implementation's timeout: the harne
 then, with each rank's stack (``testing.set_call_deadline``); a moment later an alarm raises
 ``CheckTimeout`` wherever the test is. Either is final: the implementation's remaining items are not
 run (a hang costs one timeout per file, not one per item), and Hypothesis never sees the alarm,
-which is no ``Exception``, so it does not run the example again to shrink it.
+which is no ``Exception``, so it does not run the example again to shrink it. After each case, what
+the spec compares with must still be what it was before the learner's code ran (``integrity.py``),
+or the case fails, naming what was replaced.
 
 It appends what happens to ``MINIDDP_EXERCISE_JOURNAL``, one JSON object per line (``load``,
 ``loaded``, ``collected``, ``start``, ``result``, ``finish``, ``done``, ``end``), for ``bounds.py``,
@@ -27,7 +29,7 @@ import time
 
 import pytest
 
-from . import swap
+from . import integrity, swap
 from .bounds import BATCH_ENV, JOURNAL_ENV
 from .reasons import case_id, explain, shorten, where_in_process
 
@@ -181,6 +183,9 @@ def pytest_runtest_teardown(item, nextitem):
     finally:
         if item.nodeid in _index:
             _arm(None)
+            # once the case is over (a fixture's monkeypatch undone): what the spec compared with must be
+            # what it was before the learner's code ran, or the case fails; the originals are put back
+            integrity.check("your code, in this test case,")
 
 
 def _case_id(item, index: int) -> str:

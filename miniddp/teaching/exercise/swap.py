@@ -23,6 +23,8 @@ import tokenize
 import types
 from pathlib import Path
 
+from . import integrity
+
 ENV = "MINIDDP_EXERCISE"
 _TESTS = str(Path(__file__).resolve().parents[3] / "tests") + os.sep  # the spec's own modules hold names too
 _loaded: dict[str, types.ModuleType] = {}  # "<name>=<file>" -> the learner's module, loaded once per process
@@ -93,10 +95,16 @@ def load(path: str, module_name: str, required=()) -> types.ModuleType:
     module = importlib.util.module_from_spec(spec)
     module.__dict__.update({k: v for k, v in vars(reference).items() if not k.startswith("__")})
     sys.modules[spec.name] = module
+    integrity.seal()  # what the spec compares with, recorded before the first learner's line runs here
     try:
         spec.loader.exec_module(module)
+        integrity.check("importing it")
+    except integrity.ComparisonReplacedError as err:
+        del sys.modules[spec.name]
+        raise LearnerFileError(f"{path}: {err}") from None
     except (Exception, SystemExit) as err:  # the learner's module-level code: their error, said in one line
         del sys.modules[spec.name]
+        integrity.restore()  # whatever it replaced before it failed: the next file is checked as the first
         if isinstance(err, SystemExit):
             raise LearnerFileError(f"{path}: importing it called sys.exit({err.code!r}): module-level code runs "
                                    "when the check imports the file; keep it in functions") from None
@@ -178,9 +186,10 @@ def apply_from_env() -> None:
     use(os.environ[ENV])
 
 
-def run_rank_as(value: str, *args):
-    """A harness rank under implementation ``value``: its forkserver may have imported another one."""
+def run_rank_as(value: str, rank, world_size, fn, *args):
+    """A harness rank under implementation ``value``: its forkserver may have imported another one. What
+    the spec compares with is checked after ``fn``, before the rank sends its result (``integrity.py``)."""
     from ...launching.rank_process import run_rank
 
     use(value)
-    return run_rank(*args)
+    return run_rank(rank, world_size, integrity.verified(fn), *args)

@@ -228,15 +228,6 @@ def test_requires_grad_changed_after_wrapping_says_so():
         assert "fc1.weight.requires_grad changed from True to False after wrapping" in message
 
 
-def _sparse(rank, world_size):
-    return _catch(miniddp.DistributedDataParallel, nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2)))
-
-
-def test_sparse_gradients_are_refused_at_wrap():
-    name, message = run_on_ranks(_sparse, 1, timeout=30)[0]
-    assert name == "NotImplementedError" and "sparse=True" in message and "0 (Embedding)" in message
-
-
 @dataclass(slots=True)
 class _Output:  # a dataclass output, as many model libraries return (slots: no __dict__)
     logits: torch.Tensor

@@ -59,11 +59,17 @@ def count_bytes():
         _counters.remove(counter)
 
 
+def payload(tensor: torch.Tensor) -> int:
+    """``tensor``'s bytes as a collective sends them: a sparse one's row indices and rows, not its dense size."""
+    parts = (tensor._indices(), tensor._values()) if tensor.is_sparse else (tensor,)
+    return sum(t.numel() * t.element_size() for t in parts)
+
+
 def record(op: str, tensor: torch.Tensor) -> None:
     """Add ``tensor``'s bytes to every open ``count_bytes()``."""
     with _lock:
         for counter in _counters:
-            counter.by_op[op] = counter.by_op.get(op, 0) + tensor.numel() * tensor.element_size()
+            counter.by_op[op] = counter.by_op.get(op, 0) + payload(tensor)
 
 
 def all_reduce(tensor: torch.Tensor, group) -> torch.futures.Future:

@@ -126,9 +126,9 @@ class UsedCounts:
 
     def mark_unused(self, i: int, grad=None, view=None) -> None:
         """Parameter i sends no gradient of its own. If its ``.grad`` is its bucket's ``view``
-        (``gradient_as_bucket_view``), the bucket will overwrite it: keep a copy."""
+        (``gradient_as_bucket_view``), the bucket will overwrite it: keep a copy (a sparse bucket has no view)."""
         self.local[i] = 0
-        if grad is not None and grad.data_ptr() == view.data_ptr():
+        if grad is not None and view is not None and grad.data_ptr() == view.data_ptr():
             self.kept[i] = grad.clone()
 
     @issued_as("used-counts all-reduce")

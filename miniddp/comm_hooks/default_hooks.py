@@ -31,7 +31,7 @@ def _group(process_group):
 
 # --8<-- [start:allreduce]
 @issues_collectives_in_call  # one all-reduce, issued before it returns
-def allreduce_hook(process_group, bucket) -> torch.futures.Future:
+def allreduce_hook(process_group, bucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket: divide by the group size, then sum over ranks (torch's ``allreduce_hook``).
     DDP without a hook gives the same mean, dividing as it copies each gradient in (``Bucket.put``)."""
     group = _group(process_group)
@@ -42,7 +42,7 @@ def allreduce_hook(process_group, bucket) -> torch.futures.Future:
 
 
 # --8<-- [start:compress]
-def _compress_hook(dtype: torch.dtype, process_group, bucket) -> torch.futures.Future:
+def _compress_hook(dtype: torch.dtype, process_group, bucket) -> torch.futures.Future[torch.Tensor]:
     """Cast to ``dtype`` (half the bytes), average, cast back into the bucket's own buffer: torch's arithmetic,
     which the spec compares bit for bit: ``buffer.to(dtype).div_(group.size())`` (cast, then divide), all-reduce
     SUM that copy (only it is sent: the spec counts the bytes), then a future of ``buffer`` holding the mean."""
@@ -59,7 +59,7 @@ def _compress_hook(dtype: torch.dtype, process_group, bucket) -> torch.futures.F
 
 
 @issues_collectives_in_call  # one all-reduce, issued before it returns
-def fp16_compress_hook(process_group, bucket) -> torch.futures.Future:
+def fp16_compress_hook(process_group, bucket) -> torch.futures.Future[torch.Tensor]:
     """``_compress_hook`` in float16: 10 mantissa bits, range up to 65504 (gradients that underflow become 0)."""
     ### BEGIN SOLUTION
     return _compress_hook(torch.float16, process_group, bucket)
@@ -67,7 +67,7 @@ def fp16_compress_hook(process_group, bucket) -> torch.futures.Future:
 
 
 @issues_collectives_in_call  # one all-reduce, issued before it returns
-def bf16_compress_hook(process_group, bucket) -> torch.futures.Future:
+def bf16_compress_hook(process_group, bucket) -> torch.futures.Future[torch.Tensor]:
     """``_compress_hook`` in bfloat16: float32's range, 7 mantissa bits. gloo sums bfloat16 (torch's hook refuses
     gloo)."""
     ### BEGIN SOLUTION

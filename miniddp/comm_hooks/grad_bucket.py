@@ -3,8 +3,8 @@
 What
     ``GradBucket`` has the methods of ``torch.distributed.GradBucket`` (``index()``,
     ``buffer()``, ``gradients()``, ``parameters()``, ``is_last()``, ``set_buffer()``), so
-    torch's own hooks run unchanged. ``checked_future`` checks what a hook returns, ``hook_result``
-    what its future holds.
+    torch's own hooks run unchanged. ``check_registration`` is what ``register_comm_hook`` refuses,
+    ``checked_future`` checks what a hook returns, ``hook_result`` what its future holds.
 
 Why
     The hook is the one place to change what crosses the wire (compression, another
@@ -12,7 +12,10 @@ Why
 
 How torch differs
     torch's ``GradBucket`` is a C++ object (``torch/csrc/distributed/c10d/comm.hpp``) made by
-    ``reducer.cpp``; its checks of a hook's result are C++ ``TORCH_CHECK``s.
+    ``reducer.cpp``; its checks of a hook's result are C++ ``TORCH_CHECK``s. Its registration checks
+    (``_check_comm_hook`` in ``torch/nn/parallel/distributed.py``) compare annotations as written: one that
+    ``from __future__ import annotations`` turned into a string is refused there, evaluated here; miniddp's
+    ``GradBucket`` is accepted beside torch's. The errors have torch's types and start with torch's words.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.distributed as dist
 
 
 # --8<-- [start:grad_bucket]
@@ -67,31 +71,64 @@ def _what(hook) -> str:
 
 # --8<-- [start:registration]
 def check_registration(state, hook, *, registered: bool, started: bool) -> None:
-    """What ``register_comm_hook`` refuses, as torch does: a non-callable, a hook that cannot take
-    ``(state, bucket)``, a second hook, or one registered after the first forward."""
+    """What ``register_comm_hook`` refuses, with torch's types and torch's words first: a non-callable, a hook
+    that cannot take ``(state, bucket)``, a ``bucket`` or return annotation other than torch's contract, a second
+    hook, or one registered after the first forward."""
     if not callable(hook):
-        raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")
-    try:
-        inspect.signature(hook).bind(state, None)
-    except TypeError as err:
-        raise TypeError(f"register_comm_hook: hook must take (state, bucket): {err}") from None
-    except ValueError:  # a callable without an inspectable signature: find out when it is called
-        pass
+        raise TypeError(f"Communication hook must be callable. Got a {type(hook).__name__}: pass a function "
+                        "hook(state, bucket) -> torch.futures.Future[torch.Tensor]")
+    signature = _signature(hook)
+    if signature is not None:
+        try:
+            bound = signature.bind(state, None)
+        except TypeError as err:
+            raise TypeError(f"register_comm_hook: hook must take (state, bucket): {err}") from None
+        _check_annotations(signature, list(bound.arguments))
     if registered:
-        raise RuntimeError("register_comm_hook can only be called once per model (torch: the same); "
-                           "to change the hook, wrap the model again")
+        raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once. A model has "
+                           "one comm hook; to change it, wrap the model again")
     if started:
         raise RuntimeError("register_comm_hook must be called before the first forward: a hook with state "
                            "(PowerSGD's error feedback, its step count) has to see every step")
+
+
+def _signature(hook) -> inspect.Signature | None:
+    """The hook's signature, its annotations evaluated (``from __future__ import annotations`` makes them strings);
+    as written if they do not evaluate here; None if it has none (a builtin: found out when it is called)."""
+    for eval_str in (True, False):
+        try:
+            return inspect.signature(hook, eval_str=eval_str)
+        except ValueError:
+            return None
+        except Exception:  # noqa: BLE001 - an annotation that fails to evaluate: read them as written
+            continue
+    return None
+
+
+def _check_annotations(signature: inspect.Signature, names: list[str]) -> None:
+    """torch's ``_check_comm_hook``: an annotated bucket is a ``GradBucket`` (torch's, or miniddp's, which has its
+    methods), an annotated return a ``torch.futures.Future[torch.Tensor]``. An annotation still a string (it did
+    not evaluate) is not judged; torch compares the string itself and refuses it."""
+    empty = inspect.Parameter.empty
+    bucket = signature.parameters[names[1]].annotation if len(names) > 1 else empty  # the parameter bound to it
+    if not isinstance(bucket, str) and bucket not in (empty, dist.GradBucket) and not (
+            isinstance(bucket, type) and issubclass(bucket, GradBucket)):
+        raise ValueError(f"Communication hook: bucket annotation should be dist.GradBucket. Got {bucket!r}; "
+                         "miniddp's comm_hooks.GradBucket is accepted too")
+    returned = signature.return_annotation
+    if not isinstance(returned, str) and returned is not empty and returned != torch.futures.Future[torch.Tensor]:
+        raise ValueError("Communication hook: return annotation should be torch.futures.Future[torch.Tensor]. "
+                         f"Got {returned!r}: a hook returns a future of the averaged bucket")
 # --8<-- [end:registration]
 
 
 def checked_future(hook, future, index: int):
-    """``future``, if ``hook`` returned one for bucket ``index``; else a TypeError saying what a hook returns."""
+    """``future``, if ``hook`` returned one for bucket ``index``; else torch's RuntimeError, which names what a
+    hook returns."""
     if not isinstance(future, torch._C.Future):
-        raise TypeError(f"{_what(hook)} returned {type(future).__name__} for bucket {index}: a hook "
-                        "returns a torch.futures.Future of the averaged bucket, e.g. "
-                        "dist.all_reduce(bucket.buffer(), async_op=True).get_future()")
+        raise RuntimeError(f"callback must return a torch.futures.Future object, but got {type(future).__name__}: "
+                           f"{_what(hook)} returned it for bucket {index}; a hook returns a torch.futures.Future of "
+                           "the averaged bucket, e.g. dist.all_reduce(bucket.buffer(), async_op=True).get_future()")
     return future
 
 

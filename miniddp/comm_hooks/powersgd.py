@@ -42,8 +42,9 @@ class PowerSGDState:
                  use_error_feedback=True, warm_start=True, orthogonalization_epsilon=0, random_seed=0,
                  compression_stats_logging_frequency=10_000, batch_tensors_with_same_shape=False):
         if (use_error_feedback or warm_start) and start_powerSGD_iter <= 1:
-            raise ValueError("start_powerSGD_iter must be > 1 with use_error_feedback or warm_start (torch's rule): "
-                             "DDP rebuilds its buckets after iteration 1, and the memories are kept per bucket")
+            raise ValueError("Expect `start_powerSGD_iter` > 1 if `use_error_feedback` or `warm_start` is enabled, "
+                             "because PowerSGD can only be applied after the first two iterations in DDP. DDP "
+                             "rebuilds its buckets after iteration 1, and the memories are kept per bucket")
         self.process_group = process_group  # None: the default group
         self.matrix_approximation_rank = matrix_approximation_rank  # r
         self.start_powerSGD_iter = start_powerSGD_iter  # plain all-reduce before this step
@@ -218,7 +219,7 @@ def _split(flat: torch.Tensor, shapes) -> list[torch.Tensor]:
 
 
 # --8<-- [start:hook]
-def powerSGD_hook(state: PowerSGDState, bucket) -> torch.futures.Future:
+def powerSGD_hook(state: PowerSGDState, bucket) -> torch.futures.Future[torch.Tensor]:
     """Per-matrix PowerSGD (torch's ``powerSGD_hook``): each gradient worth it is sent as P and Q."""
     if state.iter < state.start_powerSGD_iter:
         state.maybe_increase_iter(bucket)
@@ -232,7 +233,7 @@ def powerSGD_hook(state: PowerSGDState, bucket) -> torch.futures.Future:
     return _compress(state, bucket, matrices, vectors)
 
 
-def batched_powerSGD_hook(state: PowerSGDState, bucket) -> torch.futures.Future:
+def batched_powerSGD_hook(state: PowerSGDState, bucket) -> torch.futures.Future[torch.Tensor]:
     """The whole bucket as one zero-padded square matrix (torch's ``batched_powerSGD_hook``): fewer,
     larger products, but the rows mix unrelated tensors, so a rank above 1 buys little accuracy."""
     if state.iter < state.start_powerSGD_iter:

@@ -18,7 +18,11 @@ How torch differs
     ``torch.distributed._compute_bucket_assignment_by_size``, our tests' oracle): one open bucket
     per (dtype, device), limits applied in sequence, the last repeating. torch 2.x starts with
     *one* bucket unless ``find_unused_parameters=True`` and relies on the rebuild; we always
-    start from reversed registration order, so even the first iteration overlaps.
+    start from reversed registration order, so even the first iteration overlaps. With
+    ``backward(create_graph=True)`` torch copies into its bucket with autograd recording, so ``.grad`` is
+    the mean with this rank's gradient / N behind it; ``put`` and ``write_back`` give the same ``.grad``
+    while the bucket stays out of every graph (torch's keeps the last one, and two parameters make its
+    first backward raise).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm_hooks.grad_bucket import GradBucket
+from .sparse_gradients import SparseBucket, each_sparse_alone
 
 MiB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25  # torch's bucket_cap_mb default
@@ -56,9 +61,10 @@ def check_bucket_cap_mb(value, name: str = "bucket_cap_mb") -> None:
 
 
 # --8<-- [start:assignment]
-def compute_bucket_assignment(tensors, bucket_size_limits) -> list[list[int]]:
+def compute_bucket_assignment(tensors, bucket_size_limits, expect_sparse_gradient=()) -> list[list[int]]:
     """Indices of ``tensors`` per bucket; equal to torch's
-    ``_compute_bucket_assignment_by_size(tensors, bucket_size_limits)[0]`` for dense tensors.
+    ``_compute_bucket_assignment_by_size(tensors, bucket_size_limits, expect_sparse_gradient)[0]``
+    (a tensor expected to get a sparse gradient is a bucket of its own: ``sparse_gradients.py``).
 
     In ``tensors``' order, each joins the one open bucket of its (dtype, device); a bucket closes
     once its bytes (``numel * element_size``) reach its limit (``>=``): a key's k-th bucket gets
@@ -67,6 +73,8 @@ def compute_bucket_assignment(tensors, bucket_size_limits) -> list[list[int]]:
     limits = [int(b) for b in bucket_size_limits]
     if not limits or any(b <= 0 for b in limits):
         raise ValueError(f"bucket_size_limits={bucket_size_limits!r} must be a non-empty list of byte counts > 0")
+    if any(expect_sparse_gradient):  # each sparse one alone, the dense ones by the rule below
+        return each_sparse_alone(compute_bucket_assignment, tensors, limits, expect_sparse_gradient)
     ### BEGIN SOLUTION
     open_buckets: dict = {}  # (dtype, device) -> [indices, bytes so far]
     limit_index: dict = {}  # (dtype, device) -> which limit applies to its next bucket
@@ -105,6 +113,7 @@ class Bucket:
         self.indices = indices  # their positions in the reducer's parameter list
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
         self.views = self.split(self.buffer)  # views[k]: params[k]'s slice, shaped like it
+        self.graphs: dict[int, torch.Tensor] = {}  # create_graph=True: k -> what autograd sees behind its mean
 
     def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """``flat`` (this bucket's layout) cut into one view per parameter."""
@@ -124,11 +133,15 @@ class Bucket:
         the world size N as ``divisor``: mean = sum / N, divided here, on the way in, in the same
         pass as the copy, so that a plain SUM all-reduce of the bucket is the mean (torch: the same)."""
         view = self.views[k]
+        self.graphs.pop(k, None)
         if grad is None:  # no gradient on this rank: contribute zeros
             view.zero_()
         elif grad.data_ptr() == view.data_ptr():  # .grad is this view already (gradient_as_bucket_view)
             if divisor != 1:
                 view.div_(divisor)
+        elif grad.requires_grad:  # backward(create_graph=True): the values travel, the graph stays here
+            self.graphs[k] = grad / divisor  # write_back puts it behind the mean: this rank's part (torch's too)
+            view.copy_(self.graphs[k].detach())
         elif divisor != 1:
             torch.div(grad, divisor, out=view)  # copy and divide in one pass
         else:
@@ -145,7 +158,11 @@ class Bucket:
         for k, (i, p) in enumerate(zip(self.indices, self.params)):
             if counts[i] == 0:  # unused on every rank: .grad stays as it was (unused.UsedCounts.restore_kept)
                 continue
-            if as_view:
+            if k in self.graphs:  # create_graph=True: the mean's values, with this rank's gradient / N behind them
+                with torch.enable_grad():
+                    local = self.graphs.pop(k)
+                    p.grad = local + (values[k] - local).detach()
+            elif as_view:
                 p.grad = values[k]
             elif p.grad is None:
                 p.grad = values[k].to(p.dtype, copy=True)
@@ -183,15 +200,9 @@ def rebuilt_assignment(ready_order: list[int], params, size_limits, group) -> li
 # --8<-- [end:rebuild]
 
 
-def check_dense(grad, name: str):
-    """``grad``, if it fits a flat bucket: a sparse one (refused at wrap, yet ``F.embedding(..., sparse=True)``
-    still makes one) is named instead."""
-    if grad is not None and grad.layout != torch.strided:
-        raise NotImplementedError(f"parameter {name} got a {grad.layout} gradient: miniddp averages dense "
-                                  "gradients only (use sparse=False, or torch's DDP)")
-    return grad
-
-
-def build_buckets(params, names, assignment) -> list[Bucket]:
-    """``Bucket`` objects for an assignment given as lists of parameter indices."""
-    return [Bucket(b, [params[i] for i in idx], [names[i] for i in idx], list(idx)) for b, idx in enumerate(assignment)]
+def build_buckets(params, names, assignment, expect_sparse_gradient=()) -> list[Bucket | SparseBucket]:
+    """``Bucket`` objects for an assignment given as lists of parameter indices; a ``SparseBucket`` for a
+    parameter ``expect_sparse_gradient`` flags (alone in its bucket)."""
+    sparse = {i for i, flag in enumerate(expect_sparse_gradient) if flag}
+    return [(SparseBucket if idx[0] in sparse else Bucket)(b, [params[i] for i in idx], [names[i] for i in idx],
+                                                          list(idx)) for b, idx in enumerate(assignment)]

@@ -6,6 +6,7 @@ What
     difference; ``sync_module_states`` broadcasts parameters (and buffers) from rank 0 at wrap;
     ``broadcast_buffers`` re-broadcasts buffers (BatchNorm's running stats) before every
     forward; all through ``broadcast_coalesced``, few flat messages instead of one per tensor.
+    ``Managed`` is the module without the names torch's ignore list gives: DDP reads it in the module's place.
 
 Why
     Identical updates keep replicas identical only if they *start* identical. A shape mismatch
@@ -17,7 +18,9 @@ How torch differs
     shapes only, so a parameter frozen on one rank gets past it; ``_sync_module_states``, in
     ``torch/nn/parallel/distributed.py``) and ``_sync_buffers`` before each forward. We write
     broadcast results through ``.data``, so two forwards before one backward do not fail with
-    "modified by an inplace operation".
+    "modified by an inplace operation". torch leaves the ignored names out of each list it builds
+    (``parameters_to_ignore``); its reducer's list spells a root-level parameter ``".weight"``, so such a
+    parameter is still averaged there: ``Managed`` leaves out exactly what ``named_parameters()`` names.
 """
 
 from __future__ import annotations
@@ -70,13 +73,33 @@ def verify_same_model(module: torch.nn.Module, group=None, include_buffers: bool
 # --8<-- [end:verify]
 
 
-def refuse_sparse_gradients(module: torch.nn.Module) -> None:
-    """``nn.Embedding(sparse=True)`` makes sparse gradients; our buckets are dense: say so at wrap."""
-    for name, m in module.named_modules():
-        if getattr(m, "sparse", False) is True:
-            raise NotImplementedError(
-                f"{name or 'the model'} ({type(m).__name__}) has sparse=True: its gradients are sparse tensors and "
-                "miniddp's buckets hold dense gradients only. Use sparse=False, or torch's DistributedDataParallel.")
+# --8<-- [start:ignored]
+class Managed:
+    """The module as DDP sees it when ``module._ddp_params_and_buffers_to_ignore`` names some of its parameters
+    and buffers (torch's way to keep them local; ``ddp._set_params_and_buffers_to_ignore_for_model`` sets it):
+    the module's ``parameters()`` / ``buffers()`` (and named), those names left out. The wrap's check and
+    broadcast, each forward's buffer broadcast and the reducer read it in place of the module."""
+
+    def __init__(self, module: torch.nn.Module, ignore):
+        self.module, self.ignore = module, frozenset(ignore)  # read live: a module's tensors can be reassigned
+
+    def named_parameters(self):
+        return ((n, p) for n, p in self.module.named_parameters() if n not in self.ignore)
+
+    def named_buffers(self):
+        return ((n, b) for n, b in self.module.named_buffers() if n not in self.ignore)
+
+    def parameters(self):
+        return (p for _, p in self.named_parameters())
+
+    def buffers(self):
+        return (b for _, b in self.named_buffers())
+
+
+def managed(module: torch.nn.Module, ignore) -> torch.nn.Module | Managed:
+    """``module`` itself, or with names to ignore, the ``Managed`` view that leaves them out."""
+    return Managed(module, ignore) if ignore else module
+# --8<-- [end:ignored]
 
 
 def refuse_meta_tensors(module: torch.nn.Module) -> None:

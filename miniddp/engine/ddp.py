@@ -13,10 +13,11 @@ Why
 
 How torch differs
     torch's (``torch/nn/parallel/distributed.py`` + ``reducer.cpp``) also supports mixed-device
-    modules, sparse gradients, optimizer overlap, and join() with a static graph. Ours takes
+    modules, optimizer overlap, and join() with a static graph. Ours takes
     ``bucket_cap_mb="auto"`` (``costmodel/auto_bucket.py``), raises a missing gradient at the end of the same
     backward, compares buffers and ``requires_grad`` at wrap (torch: parameter shapes only), and never communicates
-    in a no-grad forward (torch broadcasts buffers there: a rank-0-only evaluation can hang).
+    in a no-grad forward (torch broadcasts buffers there: a rank-0-only evaluation can hang). Both leave the
+    parameters and buffers ``module._ddp_params_and_buffers_to_ignore`` names out of everything they do.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from . import ownership
 from .bucketing import bucket_size_limits
 from .buffers import (
     broadcast_buffers,
+    managed,
     refuse_meta_tensors,
-    refuse_sparse_gradients,
     sync_module_states,
     verify_same_model,
 )
@@ -42,6 +43,7 @@ from .join import Join, Joinable
 from .no_sync import ChangedInWindow, no_sync
 from .observers import bucket_cap_chooser
 from .reducer import Reducer
+from .sparse_gradients import expects_sparse_gradient
 from .static_graph import check_flags
 from .torch_arguments import buffer_flags, process_group_of, refuse_unimplemented, size_limits, torch_device_ids
 from .torch_surface import TorchDDPSurface
@@ -81,20 +83,22 @@ class DistributedDataParallel(TorchDDPSurface, torch.nn.Module, Joinable):
         self.static_graph = static_graph  # learn the graph in the first backward, then rely on it (static_graph.py)
         self.find_unused_parameters = find_unused_parameters  # walk the graph after each forward (torch's name)
         check_flags(static_graph, find_unused_parameters)
-        refuse_meta_tensors(module)  # shapes without data: nothing to broadcast or average
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))  # torch's: local
+        refuse_meta_tensors(self._managed)  # shapes without data: nothing to broadcast or average
         limits = size_limits(bucket_cap_mb, bucket_cap_mb_list)  # "auto": torch's defaults until the rebuild chooses
         # --8<-- [start:wrap]
         if init_sync:  # False: the caller vouches that every rank holds the same model (torch: the same)
-            verify_same_model(module, self.process_group, include_buffers=buffers_at_wrap)  # or a clear error
-        refuse_sparse_gradients(module)  # our buckets are dense
-        self._wrapped = ownership.WrappedParameters(module)  # as wrapped: a change is named at the next forward
+            verify_same_model(self._managed, self.process_group, include_buffers=buffers_at_wrap)  # or an error
+        self._wrapped = ownership.WrappedParameters(self._managed)  # as wrapped: a change is named at next forward
         named = self._wrapped.trained()  # (name, parameter) that require grad; tied weights once
         if not named:
-            raise ValueError("the module has no parameter with requires_grad=True: there is nothing to average")
+            raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any parameter that "
+                               "requires a gradient. This one has no parameter with requires_grad=True (outside "
+                               "those it is told to ignore): there is nothing to average")
         self.device = named[0][1].device  # where small control tensors live (join rounds)
         self._window = ChangedInWindow(named)  # parameters stepped inside a no_sync window: warned
         if init_sync:
-            sync_module_states(module, self.process_group, include_buffers=buffers_at_wrap)  # rank 0's state
+            sync_module_states(self._managed, self.process_group, include_buffers=buffers_at_wrap)  # rank 0's state
         announce_process()  # host:pid in the store, so a stall elsewhere can name this rank
         self._reducer_args = dict(size_limits=limits, find_unused_parameters=find_unused_parameters,
                                   gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph)
@@ -104,8 +108,10 @@ class DistributedDataParallel(TorchDDPSurface, torch.nn.Module, Joinable):
     def _build_reducer(self, tracer=None) -> Reducer:
         named = self._wrapped.trained()
         observers = [o for o in (tracer, self.auto_cap) if o is not None]  # they watch the reducer's events
-        return self._adopt(Reducer([p for _, p in named], [n for n, _ in named], self._process_group,
-                                   observers=observers, **self._reducer_args))
+        params = [p for _, p in named]
+        return self._adopt(Reducer(params, [n for n, _ in named], self._process_group, observers=observers,
+                                   expect_sparse_gradient=expects_sparse_gradient(self.module, params),
+                                   **self._reducer_args))
 
     # deepcopy, pickle, torch.save: the copied module with a reducer of its own; copy.copy: an alias (ownership.py)
     def __deepcopy__(self, memo):
@@ -132,7 +138,7 @@ class DistributedDataParallel(TorchDDPSurface, torch.nn.Module, Joinable):
             return self.module(*args, **kwargs)
         if self.reducer.superseded:
             raise WrappedAgainError(ownership.WRAPPED_AGAIN)
-        self._wrapped.check(self.module)  # the parameters it wrapped, as it wrapped them (ownership.py)
+        self._wrapped.check(self._managed)  # the parameters it wrapped, as it wrapped them (ownership.py)
         self._started = True
         collective = expected = None  # the reducer's own, over the whole group, unless some ranks have joined
         if self.join_context is not None:  # uneven inputs: tell the joined ranks what this iteration does
@@ -155,7 +161,7 @@ class DistributedDataParallel(TorchDDPSurface, torch.nn.Module, Joinable):
         if rebuild and not self.reducer.rebuilt:
             self.rebuild_buckets()  # once, after the first iteration
         if self.broadcast_buffers:
-            broadcast_buffers(self.module, self.process_group, source)  # BatchNorm stats: one rank's
+            broadcast_buffers(self._managed, self.process_group, source)  # BatchNorm stats: one rank's
     # --8<-- [end:forward]
 
     def rebuild_buckets(self) -> None:
@@ -165,6 +171,11 @@ class DistributedDataParallel(TorchDDPSurface, torch.nn.Module, Joinable):
         self.reducer.rebuild(bucket_size_limits(auto.choose(self.reducer.params, self.process_group)) if auto else None)
 
     @property
+    def _managed(self):
+        """The module as this wrapper synchronises it: itself, or without ``parameters_to_ignore`` (buffers.py)."""
+        return managed(self.module, self.parameters_to_ignore)
+
+    @property
     def process_group(self):
         """The ranks we average with. The default group is looked up, not held: a wrapper that held it
         would keep gloo's threads alive past ``destroy_process_group()`` (see ``clean_exit``)."""
@@ -172,7 +183,7 @@ class DistributedDataParallel(TorchDDPSurface, torch.nn.Module, Joinable):
 
     def sync_module_states(self, source: int) -> None:
         """Every rank's parameters (and buffers, with ``broadcast_buffers``) become group rank ``source``'s."""
-        sync_module_states(self.module, self.process_group, include_buffers=self.broadcast_buffers, src=source)
+        sync_module_states(self._managed, self.process_group, include_buffers=self.broadcast_buffers, src=source)
 
     def no_sync(self):
         """Context manager: accumulate gradients locally; see ``miniddp.engine.no_sync``."""

@@ -80,10 +80,14 @@ def process_group_of(process_group, device_mesh):
     if device_mesh is None:
         return process_group
     if process_group is not None:
-        raise RefusedArgument("device_mesh", "pass process_group or device_mesh, not both (torch refuses both too)")
-    if device_mesh.ndim != 1 or device_mesh._get_root_mesh() != device_mesh:
-        raise RefusedArgument("device_mesh", f"a {device_mesh.ndim}-D mesh, or one sliced from a larger mesh (DDP "
-                              "beside tensor parallelism), is not implemented; pass a 1-D mesh of the ranks to average")
+        raise RefusedArgument("device_mesh", "Cannot specify both process_group and device_mesh arguments. Pass "
+                                             "one: the mesh's group is the one averaged over")
+    if device_mesh.ndim != 1:
+        raise RefusedArgument("device_mesh", f"Only 1D device mesh is supported, but got a {device_mesh.ndim}-D "
+                                             "mesh; pass a 1-D mesh of the ranks to average")
+    if device_mesh._get_root_mesh() != device_mesh:
+        raise RefusedArgument("device_mesh", "a mesh sliced from a larger mesh (DDP beside tensor parallelism) is "
+                                             "not implemented; pass a 1-D mesh of the ranks to average")
     group = device_mesh.get_group(mesh_dim=0)
     return None if group == dist.group.WORLD else group  # the default group is looked up at each use, never held
 

@@ -5,8 +5,10 @@ What
     (``forward_sync_buffers``, ``_set_static_graph()``, ``_get_ddp_logging_data()``, ...). ``TorchReducerSurface``,
     mixed into the ``Reducer``: the C++ reducer's methods Lightning calls (``_rebuild_buckets()``,
     ``_delay_all_reduce()``; ``prepare_for_backward(outputs)`` is the reducer's own). Any other name torch's
-    classes have raises ``UnimplementedTorchAttribute`` (an ``AttributeError``) naming it, at the access. The
-    constructor's keywords are ``torch_arguments.py``'s.
+    classes have raises ``UnimplementedTorchAttribute`` (an ``AttributeError``) naming it, at the access; the
+    names are read from torch's own class (``torch_ddp_class``), also under ``miniddp.drop_in.install()``. The
+    constructor's keywords are ``torch_arguments.py``'s. Also torch's ``_register_builtin_comm_hook`` and its
+    ignore list (``_set_params_and_buffers_to_ignore_for_model``, ``_get_data_parallel_params``).
 
 Why
     Frameworks were written against torch's class. Lightning's manual optimisation
@@ -42,6 +44,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from ..comm_hooks.default_hooks import allreduce_hook, fp16_compress_hook
 from .static_graph import check_flags
 
 
@@ -64,11 +67,19 @@ HINTS = {  # what to use instead, for the names a user is likeliest to reach for
 }
 
 
+def torch_ddp_class() -> type:
+    """torch's own DistributedDataParallel, also after ``miniddp.drop_in.install()`` put miniddp's class under
+    each of its names (``torch.nn.parallel.distributed`` too): the nn.Module subclass that module defines."""
+    where = torch.nn.parallel.distributed.__name__
+    return next(c for c in torch.nn.Module.__subclasses__()
+                if c.__module__ == where and c.__name__ == "DistributedDataParallel")
+
+
 @functools.cache
 def torch_ddp_names() -> frozenset[str]:
     """What a torch DistributedDataParallel has beyond nn.Module: its class's attributes, and those
     ``torch/nn/parallel/distributed.py`` assigns to an instance (``self.x = ...``, ``ddp.x = ...``)."""
-    cls = torch.nn.parallel.DistributedDataParallel
+    cls = torch_ddp_class()
     assigned = set(re.findall(r"\b(?:ddp|ddp_weakref)\.(\w+)\s*=(?!=)", inspect.getsource(inspect.getmodule(cls))))
     for klass in cls.__mro__:  # DDP's own code and its torch bases' (Joinable's _join_config), not nn.Module's
         if klass.__module__.startswith("torch.distributed") or klass is cls:
@@ -187,6 +198,39 @@ class TorchDDPSurface:
     def _get_ddp_logging_data(self) -> dict:
         """torch's fields that miniddp knows, under torch's names (``logging_data``)."""
         return logging_data(self)
+
+    def _register_builtin_comm_hook(self, comm_hook_type) -> None:
+        """torch's C++ hooks by ``dist.BuiltinCommHookType``: ``ALLREDUCE`` and ``FP16_COMPRESS`` are miniddp's
+        ``allreduce_hook`` and ``fp16_compress_hook`` on this wrapper's group (the same arithmetic, in Python)."""
+        hook = {dist.BuiltinCommHookType.ALLREDUCE: allreduce_hook,
+                dist.BuiltinCommHookType.FP16_COMPRESS: fp16_compress_hook}.get(comm_hook_type)
+        if hook is None:
+            raise ValueError(f"{comm_hook_type!r} is not a torch.distributed.BuiltinCommHookType (ALLREDUCE, "
+                             "FP16_COMPRESS); pass one, or register_comm_hook(state, hook)")
+        if self.reducer.collective.registered() is not None:
+            raise RuntimeError("register_builtin_comm_hook or register_comm_hook can only be called once. "
+                               "A model has one comm hook; to change it, wrap the model again")
+        self.register_comm_hook(self._process_group, hook)
+
+    # --8<-- [start:ignore]
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module, params_and_buffers_to_ignore) -> None:
+        """torch's way to keep parameters and buffers local: their names (``"fc2.weight"``, as ``named_parameters``
+        and ``named_buffers`` give them) in ``module._ddp_params_and_buffers_to_ignore``, read when it is wrapped;
+        each such tensor is marked ``_ddp_ignored``. Ignored, a parameter is not averaged, checked or broadcast at
+        wrap, and a buffer is not broadcast."""
+        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            if name in params_and_buffers_to_ignore:
+                tensor._ddp_ignored = True
+
+    @staticmethod
+    def _get_data_parallel_params(module, named_params: bool = False):
+        """torch's: the module's parameters (``named_params``: with their names) that no ignore list marked."""
+        for param in module.named_parameters() if named_params else module.parameters():
+            if not hasattr(param[1] if named_params else param, "_ddp_ignored"):
+                yield param
+    # --8<-- [end:ignore]
 
 
 class TorchReducerSurface:

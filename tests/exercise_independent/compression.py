@@ -22,7 +22,7 @@ def _group(process_group):
 
 
 # --8<-- [start:allreduce]
-def allreduce_hook(process_group, bucket) -> torch.futures.Future:
+def allreduce_hook(process_group, bucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket: divide by the group size, then sum over ranks (torch's ``allreduce_hook``).
     DDP without a hook gives the same mean, dividing as it copies each gradient in (``Bucket.put``)."""
     group = _group(process_group)
@@ -33,7 +33,7 @@ def allreduce_hook(process_group, bucket) -> torch.futures.Future:
 
 
 # --8<-- [start:compress]
-def _compress_hook(dtype: torch.dtype, process_group, bucket) -> torch.futures.Future:
+def _compress_hook(dtype: torch.dtype, process_group, bucket) -> torch.futures.Future[torch.Tensor]:
     """Cast to ``dtype`` (half the bytes), average, cast back into the bucket's own buffer."""
     buffer = bucket.buffer()
     ranks = _group(process_group).size()
@@ -52,12 +52,12 @@ def _compress_hook(dtype: torch.dtype, process_group, bucket) -> torch.futures.F
     return averaged
 
 
-def fp16_compress_hook(process_group, bucket) -> torch.futures.Future:
+def fp16_compress_hook(process_group, bucket) -> torch.futures.Future[torch.Tensor]:
     """Send float16: 10 mantissa bits, range up to 65504 (gradients that underflow become 0)."""
     return _compress_hook(torch.float16, process_group, bucket)
 
 
-def bf16_compress_hook(process_group, bucket) -> torch.futures.Future:
+def bf16_compress_hook(process_group, bucket) -> torch.futures.Future[torch.Tensor]:
     """Send bfloat16: float32's range, 7 mantissa bits. gloo sums bfloat16 (torch 2.13; torch's hook refuses gloo)."""
     return _compress_hook(torch.bfloat16, process_group, bucket)
 # --8<-- [end:compress]

@@ -226,7 +226,7 @@ def _split(flat: torch.Tensor, shapes) -> list[torch.Tensor]:
 
 
 # --8<-- [start:hook]
-def powerSGD_hook(state: PowerSGDState, bucket) -> torch.futures.Future:
+def powerSGD_hook(state: PowerSGDState, bucket) -> torch.futures.Future[torch.Tensor]:
     """Per-matrix PowerSGD (torch's ``powerSGD_hook``): each gradient worth it is sent as P and Q."""
     if state.iter < state.start_powerSGD_iter:
         state.maybe_increase_iter(bucket)
@@ -247,7 +247,7 @@ def powerSGD_hook(state: PowerSGDState, bucket) -> torch.futures.Future:
     return _compress(state, bucket, matrices, vectors)
 
 
-def batched_powerSGD_hook(state: PowerSGDState, bucket) -> torch.futures.Future:
+def batched_powerSGD_hook(state: PowerSGDState, bucket) -> torch.futures.Future[torch.Tensor]:
     """The whole bucket as one zero-padded square matrix (torch's ``batched_powerSGD_hook``): fewer,
     larger products, but the rows mix unrelated tensors, so a rank above 1 buys little accuracy."""
     if state.iter < state.start_powerSGD_iter:

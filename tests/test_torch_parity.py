@@ -211,6 +211,12 @@ def _hook_checks(wrap):
         register()
         register()
 
+    def logged_refusal():  # torch's tests read a refusal back from the logging data (verify_ddp_error_logged)
+        ddp = fresh()
+        _capture(lambda: ddp.register_comm_hook(None, bad_bucket))
+        data = ddp._get_ddp_logging_data()
+        return {k: data.get(k) for k in ("iteration", "has_error", "error")}
+
     def trained_with(hook):
         ddp = fresh()
         ddp.register_comm_hook(None, hook)
@@ -229,6 +235,7 @@ def _hook_checks(wrap):
         "miniddp's hooks": _capture(lambda: [fresh().register_comm_hook(None, h) for h in (
             comm_hooks.allreduce_hook, comm_hooks.fp16_compress_hook)] and True),
         "nothing to train": _capture(lambda: wrap(nn.Module())),
+        "logged": _capture(logged_refusal),
     }
 
 
@@ -406,3 +413,12 @@ def test_under_the_drop_in_a_torch_only_attribute_is_named(session):
     assert r["is_ours"]
     assert r["logger"].get("type") is torch_surface.UnimplementedTorchAttribute, r["logger"]
     assert r["names"] == len(torch_surface.torch_ddp_names()) > 100  # torch's names, not miniddp's own
+
+
+def test_a_refusal_is_kept_in_the_logging_data_as_torch_keeps_it(session):
+    words = WORDS["bucket annotation"][1]
+    for result in session:
+        for who in ("ours", "torch"):
+            logged = _value(result["hooks"][who], "logged")
+            assert logged["has_error"] == 1 and logged["iteration"] is not None, (who, logged)
+            assert words in logged["error"], (who, logged)

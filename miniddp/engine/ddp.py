@@ -197,8 +197,11 @@ class DistributedDataParallel(TorchDDPSurface, torch.nn.Module, Joinable):
         if self.reducer.collective.claimed_by is not None:  # ZeRO-2's reduce-scatter is the bucket's collective
             raise RuntimeError(f"register_comm_hook: {self.reducer.collective.claimed_by} decides each bucket's "
                                "collective (a reduce-scatter); a comm hook cannot replace it")
-        check_registration(state, hook, registered=self.reducer.collective.registered() is not None,
-                           started=self._started)
+        try:
+            check_registration(state, hook, registered=self.reducer.collective.registered() is not None,
+                               started=self._started)
+        except (TypeError, ValueError, RuntimeError) as refused:  # kept where torch's logger keeps it, too
+            self._log_and_raise(refused)
         self.reducer.set_comm_hook(state, hook)
     # --8<-- [end:register_comm_hook]
 

@@ -187,8 +187,10 @@ class TorchDDPSurface:
             warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
             return
         if self._started:
-            raise RuntimeError("_set_static_graph() after a forward: the static graph is learned in the first "
-                               "backward; pass static_graph=True to DistributedDataParallel instead")
+            self._log_and_raise(RuntimeError(
+                "set_static_graph() should be called before training loop starts and after DistributedDataParallel "
+                "is constructed: the static graph is learned in the first backward; pass static_graph=True to "
+                "DistributedDataParallel instead"))
         old = self.reducer  # before any forward: a reducer built with static_graph=True is what the constructor makes
         self.static_graph = self._reducer_args["static_graph"] = True
         self.reducer = self._build_reducer(next((o for o in old.observers.observers if o is not self.auto_cap), None))
@@ -196,8 +198,15 @@ class TorchDDPSurface:
         check_flags(True, self.find_unused_parameters)
 
     def _get_ddp_logging_data(self) -> dict:
-        """torch's fields that miniddp knows, under torch's names (``logging_data``)."""
-        return logging_data(self)
+        """torch's fields that miniddp knows, under torch's names (``logging_data``), and the last error this
+        wrapper refused with (torch's ``iteration``, ``has_error``, ``error``)."""
+        return {**logging_data(self), **getattr(self, "_logged_error", {})}
+
+    def _log_and_raise(self, error: Exception):
+        """Raise ``error``, first recording it where torch's logger keeps a refusal (torch: ``_log_and_throw``),
+        with the number of backwards so far as torch's ``iteration``."""
+        self._logged_error = {"iteration": self.reducer.backwards, "has_error": 1, "error": str(error)}
+        raise error
 
     def _register_builtin_comm_hook(self, comm_hook_type) -> None:
         """torch's C++ hooks by ``dist.BuiltinCommHookType``: ``ALLREDUCE`` and ``FP16_COMPRESS`` are miniddp's

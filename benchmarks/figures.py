@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
 
 from miniddp.by_hand.averaging import ring_schedule  # noqa: E402
-from miniddp.by_hand.sharding import ShardSampler  # noqa: E402
+from miniddp.data.sharding import ShardSampler  # noqa: E402
 
 IMG = Path(__file__).resolve().parents[1] / "docs" / "img"
 matplotlib.rcParams["svg.fonttype"] = "none"  # text stays text

@@ -33,7 +33,7 @@ def check_per_call(num_params: int, reps: int = 2000) -> float:
 
 def _sampler_agreement(rank, world_size, reps):
     import miniddp
-    from miniddp.by_hand import sharding
+    from miniddp.data import sharding
 
     times = []
     for _ in range(reps):

@@ -7,7 +7,7 @@ Two gloo ranks, a bucket of the 6x1024 GELU MLP's size (5,521,418 fp32 elements,
 ``benchmarks/zero_step_time.py``'s gradients), each way to move it:
 
 * the gradient: ``all_reduce`` in place (DDP's); gloo's ``reduce_scatter_tensor`` (what ZeroOptimizer called on
-  gloo before ``comm_hooks/shard_collectives.py``); the direct reduce-scatter that ZeroOptimizer calls on gloo
+  gloo before ``collectives/shard_collectives.py``); the direct reduce-scatter that ZeroOptimizer calls on gloo
   now (``shard_collectives.reduce_scatter``: every chunk sent to its rank with ``batch_isend_irecv``, a thread
   waits and sums this rank's chunk), in messages of at most ``SEGMENT_BYTES``, and the same with each chunk one
   message; ``all_to_all_single`` and a sum of the received chunks (the same bytes
@@ -55,8 +55,8 @@ def parameters() -> list[torch.Tensor]:
 
 def operations(rank: int, n: int) -> dict:
     """name -> a function running that collective once on one bucket."""
-    from miniddp.comm_hooks import shard_collectives
-    from miniddp.comm_hooks.shard_collectives import all_gather_pieces, reduce_scatter
+    from miniddp.collectives import shard_collectives
+    from miniddp.collectives.shard_collectives import all_gather_pieces, reduce_scatter
     from miniddp.zero.gradient_shards import Shards
 
     size = -(-NUMEL // n)

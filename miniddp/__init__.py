@@ -2,10 +2,10 @@
 
 Each concept of DDP is one module, in the folder of its layer (``docs/index.md``: the map
 and the layers); this file re-exports the public names so that ``import miniddp`` is all a
-user needs.
+user needs. Importing it changes nothing else: no engine table is filled, no name is swapped
+(``bucket_cap_mb="auto"`` is ``composed.py``'s class attribute; an exercise's swap runs where the exercise
+check asks for it, ``teaching/exercise/swap.py``).
 """
-
-from os import environ as _environ
 
 from .process_group.backend import DEVICE_BACKENDS, device_for_local_rank, select_backend
 from .process_group.env import DistEnv, init_distributed
@@ -15,15 +15,15 @@ from .process_group.monitored_barrier import monitored_barrier
 from .process_group.stalled_ranks import StalledRankError
 from .process_group.desync import CollectiveMismatchError
 from .engine.bucketing import compute_bucket_assignment
-from .engine.ddp import DistributedDataParallel, WrappedAgainError
-from .engine.ddp_optimizer import DDPOptimizer
+from .composed import DistributedDataParallel  # the engine's, with bucket_cap_mb="auto"
+from .engine.ddp import WrappedAgainError
+from .engine.compile_graph_split import DDPOptimizer
 from .engine.static_graph import StaticGraphChangedError
-from .costmodel import auto_bucket as _auto_bucket  # noqa: F401  bucket_cap_mb="auto" attaches itself to the engine
 from . import comm_hooks  # miniddp.comm_hooks.allreduce_hook, ..., PowerSGDState, powerSGD_hook
 from .engine.no_sync import accumulation_windows, no_sync, should_sync
-from .zero.zero_ddp_optimizer import ZeroOptimizer
-from .zero.zero_optimizer import ZeroRedundancyOptimizer
-from .by_hand.sharding import ShardSampler
+from .zero.reduce_scatter_optimizer import ZeroOptimizer
+from .zero.zero_redundancy_optimizer import ZeroRedundancyOptimizer
+from .data.sharding import ShardSampler
 from .by_hand.averaging import average_gradients, ring_all_reduce
 from .by_hand.bucketed import BucketedDataParallel
 from .training.config import TrainingConfig
@@ -71,8 +71,3 @@ __all__ = [
     "select_backend",
     "should_sync",
 ]
-
-if _environ.get("MINIDDP_EXERCISE"):  # `miniddp exercise check`: the learner's names in place
-    from .teaching.exercise.swap import apply_from_env
-
-    apply_from_env()

@@ -48,8 +48,8 @@ import torch.distributed as dist
 import torch.nn.parallel
 import torch.nn.parallel.distributed
 
+from .composed import DistributedDataParallel as _DistributedDataParallel
 from .diagnostics.trace import Tracer, step_summary, to_chrome_trace
-from .engine.ddp import DistributedDataParallel as _DistributedDataParallel
 from .launching.drop_in_checks import TRACE_ENV, module_error, path_error, trace_folder_error, trace_steps
 from .process_group import debug_backend
 from .process_group.clean_exit import destroy_process_group

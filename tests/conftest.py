@@ -1,4 +1,5 @@
-"""Shared test set-up: every multi-rank test goes through ``miniddp.testing``."""
+"""Shared test set-up. Every multi-rank test starts its ranks with ``run_on_ranks``, the launching layer's
+``miniddp.launching.spawn.run_on_ranks``, which ``miniddp.testing`` re-exports beside ``backend_params``."""
 
 import atexit
 import fcntl

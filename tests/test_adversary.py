@@ -29,7 +29,7 @@ from miniddp.launching.accelerate_config import LaunchError, ignored_settings, r
 from miniddp.launching.launch import main as launch_main
 from miniddp.launching.spawn import run_on_ranks
 from miniddp.launching.torchrun_args import script_env, torchrun_args
-from miniddp.training.checkpoint_dirs import MANIFEST, checkpoints
+from miniddp.training.checkpoint_timeline import MANIFEST, checkpoints
 from miniddp.training.cli import main as train_main
 from miniddp.training.output_dir import LOCK, OutputDirError, claim_output_dir
 from miniddp.training.tasks import make_task
@@ -140,10 +140,18 @@ def test_3_a_lock_file_that_is_a_link_is_refused_and_its_target_kept(tmp_path):
     assert precious.read_text() == "do not truncate me"
 
 
-def test_3_a_lock_file_holding_anything_is_taken_over(tmp_path):
-    for content in ("[1]", "\x00\xff garbage", '{"pid": 1}'):
-        (tmp_path / LOCK).write_text(content)
-        claim_output_dir(tmp_path, resuming=False, overwrite=False, need_bytes=0).release()
+@pytest.mark.parametrize("content, holder_pid", [("[1]", None), ("\x00\xff garbage", None), ('{"pid": 1}', 1)])
+def test_3_a_lock_file_holding_anything_is_taken_over(tmp_path, content, holder_pid):
+    (tmp_path / LOCK).write_text(content)  # a dead run's lock, or a file that only has the lock's name
+    lock = claim_output_dir(tmp_path, resuming=False, overwrite=False, need_bytes=0)
+    # the previous holder is named when the file says who it was, "unknown" otherwise; never "" (a fresh lock)
+    assert lock.previous == ("unknown" if holder_pid is None else f"pid {holder_pid} on ?, started ?")
+    held = json.loads((tmp_path / LOCK).read_text())  # the file now says this run holds it
+    assert (held["pid"], held["host"]) == (os.getpid(), socket.gethostname())
+    with pytest.raises(OutputDirError, match="in use by another run"):  # and the flock is really held
+        claim_output_dir(tmp_path, resuming=False, overwrite=False, need_bytes=0)
+    lock.release()
+    assert (tmp_path / LOCK).read_bytes() == b""  # a clean end: nobody for the next run to take over from
 
 
 def test_4_overwrite_deletes_only_miniddp_s_own_results(tmp_path):
@@ -215,7 +223,7 @@ def test_6_a_step_inside_no_sync_is_warned_once_torch_stays_silent():
 # --- 7. ShardSampler with a seed per rank -------------------------------------------------------------
 
 def _sampler_seeds(rank, world_size, seeds, alone):
-    from miniddp.by_hand import sharding
+    from miniddp.data import sharding
 
     sharding.AGREE_TIMEOUT_S = 1.0
     sampler = miniddp.ShardSampler(range(20), seed=seeds[rank])

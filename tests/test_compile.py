@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import miniddp
-from miniddp.engine.ddp_optimizer import DDPOptimizer
+from miniddp.engine.compile_graph_split import DDPOptimizer
 from miniddp.launching.spawn import run_on_ranks
 from miniddp.training.cli import parse_config
 from miniddp.training.tasks import make_task

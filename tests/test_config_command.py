@@ -22,7 +22,7 @@ from miniddp import TrainingConfig
 from miniddp.launching.accelerate_config import default_config_file, read_config
 from miniddp.launching.config_command import main as config_main
 from miniddp.launching.env_command import report
-from miniddp.training.deepspeed_args import accelerate_variables
+from miniddp.zero.deepspeed_config import accelerate_variables
 
 MINIDDP = [sys.executable, "-m", "miniddp.__main__"]
 

@@ -17,8 +17,13 @@ import pytest
 from miniddp import TrainingConfig
 from miniddp.launching.launch import main as launch
 from miniddp.training.cli import main as train_cli
-from miniddp.training.deepspeed_args import VARIABLES, accelerate_deepspeed_config, accelerate_variables
-from miniddp.zero.deepspeed_config import DeepSpeedConfigError, load_deepspeed_config
+from miniddp.zero.deepspeed_config import (
+    VARIABLES,
+    DeepSpeedConfigError,
+    accelerate_deepspeed_config,
+    accelerate_variables,
+    load_deepspeed_config,
+)
 from miniddp.zero.deepspeed_optim import fill_blocks, read_blocks
 
 HF_ZERO2 = {  # Hugging Face's ds_config_zero2.json (the DeepSpeed page)

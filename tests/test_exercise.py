@@ -199,15 +199,15 @@ MISTAKES = {
          "            self.expected = list(self.fired)", "            self.expected = [1] * len(self.fired)",
          [G + "test_reentrant_checkpointing_with_static_graph_equals_torch"]),
         ("no rank ever says its graph changed: a new gradient is taken silently",
-         "        counts.local += changed + [int(any(changed) and r == self.rank) for r in range(self.world_size)]",
-         "        counts.local += changed + [0] * self.world_size",
+         "        counts.flags = changed + [int(any(changed) and r == self.rank) for r in range(self.world_size)]",
+         "        counts.flags = changed + [0] * self.world_size",
          [G + "test_a_parameter_used_after_the_first_iteration_is_named_on_every_rank"]),
     ],
     "join": [
         ("a joined rank answers one round and leaves: the others hang",
          "        while True:  # this rank is out of data", "        for _ in range(1):  # this rank is out of data",
          [J + "test_join_matches_torch_ddp_join_on_uneven_inputs"]),
-        ("an active rank does not say so in the round", "        flags[rank] = 1", "        flags[rank] = 0",
+        ("an active rank does not say so in the round", "        vector[rank] = 1", "        vector[rank] = 0",
          [J + "test_join_matches_torch_ddp_join_on_uneven_inputs"]),
         ("a joined rank ignores throw_on_early_termination", "            if self.throw:\n                raise "
          "EarlyTerminationError(f\"rank {self.rank}", "            if False:\n                raise "
@@ -390,7 +390,7 @@ def test_an_unknown_exercise_lists_the_valid_ones():
 
 def test_use_puts_the_learners_names_everywhere_and_the_reference_back(tmp_path):
     import miniddp
-    import miniddp.by_hand.sharding as reference
+    import miniddp.data.sharding as reference
     from miniddp.teaching.exercise import swap
 
     original = reference.ShardSampler
@@ -398,7 +398,7 @@ def test_use_puts_the_learners_names_everywhere_and_the_reference_back(tmp_path)
     try:
         swap.use(f"sharding={path}")
         mine = miniddp.ShardSampler
-        assert mine is not original and mine.__module__.startswith("miniddp.by_hand._learner_sharding")
+        assert mine is not original and mine.__module__.startswith("miniddp.data._learner_sharding")
         assert reference.ShardSampler is mine and os.environ[swap.ENV] == f"sharding={path}"
     finally:
         swap.use("")

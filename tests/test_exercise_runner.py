@@ -34,7 +34,7 @@ CHUNKS, RING, SUBGROUPS = (A + "test_chunk_bounds_tile_the_tensor_with_sizes_dif
 SPIN_S, RING_S, CAP_MB = 4, 10, 1500  # a reference session of these items stays near 600 MB
 
 SAMPLER = '''
-from miniddp.by_hand.sharding import ShardSampler as Reference
+from miniddp.data.sharding import ShardSampler as Reference
 
 
 class ShardSampler(Reference):
@@ -47,7 +47,7 @@ SPINS = SAMPLER.format(body="        while True:  # never stops, allocates nothi
 CONTIGUOUS = '''
 import copy
 
-from miniddp.by_hand.sharding import ShardSampler as Reference
+from miniddp.data.sharding import ShardSampler as Reference
 
 
 class ShardSampler(Reference):

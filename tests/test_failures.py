@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 import miniddp
 from miniddp.engine.buffers import ParameterMismatchError
 from miniddp.launching.spawn import RankError, run_on_ranks
-from miniddp.training.checkpoint import load_checkpoint, save_checkpoint
+from miniddp.training.checkpoint_format import load_checkpoint, save_checkpoint
 
 from models import MODELS
 

@@ -61,6 +61,8 @@ def test_the_package_keeps_its_layers():
     ("training/_probe.py", "from .. import testing", NO_HARNESS),  # the library importing its test harness
     ("teaching/_probe.py", "from ..testing import netlab", NO_HARNESS),  # even the top of the library
     ("by_hand/_probe.py", "from ..comm_hooks import grad_bucket", LAYERS),  # two independent layers
+    ("collectives/_probe.py", "from ..comm_hooks import grad_bucket", LAYERS),  # collectives sit below the hooks
+    ("data/_probe.py", "from ..process_group import env", LAYERS),  # the ground floor's two rooms stand apart
 ])
 def test_an_import_the_wrong_way_breaks_its_contract(tmp_path, where, line, contract):
     shutil.copytree(PACKAGE, tmp_path / "miniddp", ignore=shutil.ignore_patterns("__pycache__"))

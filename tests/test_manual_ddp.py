@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from miniddp.by_hand.averaging import average_gradients
-from miniddp.by_hand.sharding import ShardSampler
+from miniddp.data.sharding import ShardSampler
 from miniddp.launching.spawn import run_on_ranks
 from miniddp.testing import backend_params
 

@@ -22,8 +22,8 @@ from torch.utils.data import TensorDataset
 
 from miniddp import Trainer, TrainingConfig
 from miniddp.launching.spawn import run_on_ranks
-from miniddp.training.checkpoint import load_checkpoint
-from miniddp.training.checkpoint_dirs import checkpoints
+from miniddp.training.checkpoint_format import load_checkpoint
+from miniddp.training.checkpoint_timeline import checkpoints
 from miniddp.training.nonfinite import NonFiniteLossError
 from miniddp.training.output_dir import LOCK, OutputDirError, OutputDirLock, atomic_save, bytes_to_save
 from miniddp.training.tasks import make_task

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from miniddp import Trainer, TrainingConfig
 from miniddp.launching.spawn import run_on_ranks
-from miniddp.training.checkpoint_dirs import checkpoints
+from miniddp.training.checkpoint_timeline import checkpoints
 from miniddp.training.resume import SetupChangedError
 from miniddp.training.tasks import make_task
 

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from miniddp.by_hand.sharding import ShardSampler
+from miniddp.data.sharding import ShardSampler
 from miniddp.launching.spawn import RankError, run_on_ranks
 from miniddp.testing import backend_params
 

@@ -12,8 +12,8 @@ from torch.utils.data import TensorDataset
 
 from miniddp import Trainer, TrainingConfig
 from miniddp.launching.spawn import RankError, run_on_ranks
-from miniddp.training.checkpoint import CHECKPOINT_ERRORS, CorruptCheckpointError
-from miniddp.training.checkpoint_dirs import checkpoints
+from miniddp.training.checkpoint_format import CHECKPOINT_ERRORS, CorruptCheckpointError
+from miniddp.training.checkpoint_timeline import checkpoints
 from miniddp.training.tasks import make_task
 
 
@@ -144,7 +144,7 @@ def test_a_corrupt_checkpoint_is_refused(damage, tmp_path):
 
 
 def _crash_mid_save(rank, world_size, out):
-    import miniddp.training.checkpoint as ck
+    import miniddp.training.checkpoint_format as ck
 
     cfg = {"max_steps": 4, "save_steps": 2, "output_dir": out, "per_device_train_batch_size": 8}
     real_save = ck.atomic_save

@@ -18,8 +18,8 @@ import torch
 
 from miniddp import Trainer, TrainerState, TrainingConfig
 from miniddp.launching.spawn import run_on_ranks
-from miniddp.training.checkpoint import CorruptCheckpointError
-from miniddp.training.checkpoint_dirs import MANIFEST
+from miniddp.training.checkpoint_format import CorruptCheckpointError
+from miniddp.training.checkpoint_timeline import MANIFEST
 from miniddp.training.tasks import make_task
 
 FIELDS = [f.name for f in dataclasses.fields(TrainerState)]

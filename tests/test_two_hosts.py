@@ -46,7 +46,7 @@ import yaml
 import miniddp.process_group.stalled_ranks as stalled_ranks
 from miniddp.launching.spawn import run_on_ranks
 from miniddp.testing.netlab import Host, two_hosts, unavailable
-from miniddp.training.checkpoint import MANIFEST, load_checkpoint
+from miniddp.training.checkpoint_format import MANIFEST, load_checkpoint
 
 BIN = Path(sys.executable).parent  # torchrun and the miniddp console script, beside this python
 DDP_TIMEOUT = 20  # seconds; the cut-off job's collectives give up after this

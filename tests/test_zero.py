@@ -21,8 +21,8 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import miniddp
 from miniddp.engine.join import Join
 from miniddp.launching.spawn import run_on_ranks
-from miniddp.zero.zero_optimizer import ZeroRedundancyOptimizer
 from miniddp.zero.zero_partition import partition_by_size
+from miniddp.zero.zero_redundancy_optimizer import ZeroRedundancyOptimizer
 
 STEPS = 4
 

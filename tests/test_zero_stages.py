@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
 
 import miniddp
-from miniddp.comm_hooks import count_bytes, shard_collectives
+from miniddp.collectives import count_bytes, shard_collectives
 from miniddp.comm_hooks.default_hooks import allreduce_hook
 from miniddp.diagnostics.trace import Tracer
 from miniddp.engine.join import Join

@@ -3,24 +3,32 @@
 What
     A comm hook is ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]``: it receives one
     bucket (``grad_bucket.GradBucket``), starts whatever communication it likes and returns a
-    future of the averaged flat buffer, which the reducer writes back into ``.grad``. The default
-    hooks (``default_hooks.py``), PowerSGD (``powersgd.py``), when a hook may get the next bucket
-    (``call_order.py``) and a byte counter (``byte_count.py``) live beside the contract;
-    ``hook_by_name`` maps Accelerate's names to hooks.
+    future of the averaged flat buffer, which the reducer writes back into ``.grad``.
+    ``grad_bucket.py`` is that contract (the bucket, and the checks at registration);
+    ``default_hooks.py`` the default hooks (all-reduce at full precision, fp16 and bf16 compression);
+    ``powersgd.py`` PowerSGD (two thin matrices instead of each gradient matrix); ``call_order.py``
+    when a hook may get the next bucket (at once, or once the previous future is done).
+    ``hook_by_name`` (below) maps Accelerate's names to hooks.
 
 Why
     The hook is the one place to change what crosses the wire without touching the bucketing,
     the overlap or the ordering around it.
 
 How torch differs
-    The same layout as ``torch/distributed/algorithms/ddp_comm_hooks/`` (``default_hooks.py``,
-    ``powerSGD_hook.py``, and ``DDPCommHookType`` in its ``__init__.py``); torch's own hooks run
-    unchanged on miniddp.
+    The same layout as torch's ``torch/distributed/algorithms/ddp_comm_hooks/``: its
+    ``torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py``,
+    ``torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py``, and ``DDPCommHookType`` in
+    ``torch/distributed/algorithms/ddp_comm_hooks/__init__.py``; torch's own hooks run unchanged on miniddp.
+
+May import
+    the rooms below it in import-linter's layers contract (``pyproject.toml``): ``process_group``,
+    ``data`` and ``collectives`` (whose ``count_bytes`` it re-exports). The by-hand steps share its floor
+    and stay independent of it.
 """
 
 from __future__ import annotations
 
-from .byte_count import ByteCount, count_bytes
+from ..collectives.byte_count import ByteCount, count_bytes
 from .default_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from .grad_bucket import GradBucket
 from .powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook

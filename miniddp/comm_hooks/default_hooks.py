@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .byte_count import all_reduce
+from ..collectives.byte_count import all_reduce
 from .call_order import issues_collectives_in_call
 
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .byte_count import all_reduce
+from ..collectives.byte_count import all_reduce
 from .default_hooks import allreduce_hook
 
 

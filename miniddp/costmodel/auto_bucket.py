@@ -7,6 +7,8 @@ What
     to α–β, the ranks' ready times combined (``StepProfile.slowest``), ``best_bucket_cap_mb``
     over ``CANDIDATE_CAPS``, and rank 0's pick broadcast. ``choose_bucket_cap_mb`` is the pure
     part (a profile and a fit in, an ``AutoChoice`` out), so a test can feed it made-up numbers.
+    ``miniddp.DistributedDataParallel`` (``miniddp/composed.py``) builds one for ``bucket_cap_mb="auto"``;
+    this module registers nothing when imported.
 
 Why
     The best cap depends on the model (how gradients arrive), the network (α, β) and whether
@@ -29,7 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..engine.observers import ReducerObserver, provide_bucket_cap_chooser
+from ..engine.observers import ReducerObserver
 from ..process_group.fingerprint import issued_as
 from .alpha_beta import AlphaBeta, fit_alpha_beta, measure_all_reduce, measure_cpu_share
 from .simulate import best_bucket_cap_mb
@@ -146,6 +148,3 @@ class AutoBucketCap(ReducerObserver):
         self.choice, self.ready_s = choice, {}
         return choice.cap_mb
     # --8<-- [end:collective]
-
-
-provide_bucket_cap_chooser("auto", AutoBucketCap)  # the engine builds one for bucket_cap_mb="auto"

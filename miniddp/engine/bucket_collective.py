@@ -2,11 +2,13 @@
 second seam.
 
 What
-    ``BucketCollective`` is what the reducer asks of a complete bucket: ``divisor`` (each gradient is divided by
-    it on its way into the bucket), ``issue(bucket, flat, is_last, group)`` (start the collective, return its
-    future), ``result(bucket, value)`` (the completed future's tensor, checked) and ``land(bucket, result,
-    counts, as_view)`` (where the result goes). ``call_order``: may the next bucket go out while this one's
-    future is pending (``comm_hooks/call_order.py``). Two implementations today:
+    ``BucketCollective`` is what the reducer asks of a complete bucket, and all it asks: ``name`` (how labels
+    and stall errors call it: "bucket 3 all-reduce"), ``divisor`` (each gradient is divided by it on its way
+    into the bucket), ``issue(bucket, flat, is_last, group)`` (start the collective, return its future),
+    ``result(bucket, value)`` (the completed future's tensor, checked) and ``land(bucket, result, counts,
+    as_view)`` (where the result goes). ``call_order``: may the next bucket go out while this one's future is
+    pending (``comm_hooks/call_order.py``). The reducer takes one through ``Reducer.set_collective``. Two
+    implementations here:
 
     - ``AllReduceMean``, the default path: divided by N on the way in, one SUM all-reduce, the mean written
       back whole into every ``.grad``; ``dividing_by(n)`` is the same with another N (join's active ranks);
@@ -14,9 +16,10 @@ What
       contract), written back whole.
 
     ZeRO-2 is the third (``zero/gradient_shards.py``): a reduce-scatter of each bucket, divided on the way in,
-    after which each rank ``land``s only its own shard of the mean; ``begin`` gives its buckets their memory
-    back for the backward, and ``claimed_by`` keeps a comm hook from replacing it. Join's shadow backward is a
-    collective too (``ddp_join.py``: the active ranks' collective on zeros, landing nowhere).
+    after which each rank ``land``s only its own shard of the mean. What only one client asks lives with that
+    client: join's questions (``dividing_by``, ``land_joined``) are the ``JoinAware`` protocol of
+    ``ddp_join.py``; who set the collective, and which comm hook is registered, are the reducer's record
+    (``Reducer.set_collective``, ``set_comm_hook``); ZeRO-2's memory is an observer of the reducer.
 
 Why
     The reducer's order (buckets complete, go out in bucket order, are waited for at the end of backward) is
@@ -34,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm_hooks.byte_count import all_reduce
+from ..collectives.byte_count import all_reduce
 from ..comm_hooks.call_order import CallOrder
 from ..comm_hooks.grad_bucket import checked_future, hook_result
 
@@ -43,12 +46,9 @@ from ..comm_hooks.grad_bucket import checked_future, hook_result
 class BucketCollective:
     """The interface; the answers here are those every implementation so far shares."""
 
+    name = "collective"  # how labels and stall errors call it: "bucket 3 all-reduce"
     divisor = 1  # each gradient is divided by this on its way into the bucket
     call_order = CallOrder(None)  # the next bucket may go out before this one's future completes
-    claimed_by: str | None = None  # who chose it, if not DDP (ZeRO-2): a comm hook may not replace it
-
-    def begin(self, buckets) -> None:
-        """A synced backward is armed and its gradients will be put into ``buckets``."""
 
     def issue(self, bucket, flat: torch.Tensor, is_last: bool, group) -> torch.futures.Future:
         """Start the collective of ``bucket`` on ``flat`` (its buffer, or zeros of its layout); return a future."""
@@ -61,22 +61,13 @@ class BucketCollective:
     def land(self, bucket, result: torch.Tensor, counts: list[int], as_view: bool) -> None:
         """Where the result goes: here, the mean written back whole into each parameter's ``.grad``."""
         bucket.write_back(result, counts, as_view)
-
-    def land_joined(self, bucket, result: torch.Tensor, counts: list[int]) -> None:
-        """On a joined rank (its zeros went in): nothing lands, unless this rank owns part of the result (ZeRO)."""
-
-    def dividing_by(self, n: int) -> BucketCollective:
-        """This collective for a backward whose mean is over ``n`` ranks (join: the active ones)."""
-        return self
-
-    def registered(self) -> tuple | None:
-        """``(state, hook)`` of a registered comm hook, or None (DDP's copies carry it over)."""
-        return None
 # --8<-- [end:interface]
 
 
 class AllReduceMean(BucketCollective):
     """The default path: divided by N on the way in, so a SUM all-reduce gives the mean."""
+
+    name = "all-reduce"
 
     def __init__(self, divisor: int):
         self.divisor = divisor  # the world size, or the ranks still active (join)
@@ -84,12 +75,20 @@ class AllReduceMean(BucketCollective):
     def issue(self, bucket, flat, is_last, group):
         return all_reduce(flat, group)
 
+    # join's protocol (ddp_join.JoinAware): the mean over the ranks still active, and nothing lands on a
+    # joined rank, whose .grad stays as it was
     def dividing_by(self, n: int) -> AllReduceMean:
         return AllReduceMean(n)
 
+    def land_joined(self, bucket, result: torch.Tensor, counts: list[int]) -> None:
+        pass
+
 
 class CommHook(BucketCollective):
-    """A registered hook: ``hook(state, GradBucket)`` returns a future of the bucket's mean (torch's contract)."""
+    """A registered hook: ``hook(state, GradBucket)`` returns a future of the bucket's mean (torch's contract).
+    Under join it is used unchanged: the hook divides by itself, as torch's hooks do."""
+
+    name = "comm hook"
 
     def __init__(self, state, hook):
         self.state, self.hook = state, hook
@@ -100,9 +99,6 @@ class CommHook(BucketCollective):
 
     def result(self, bucket, value) -> torch.Tensor:
         return hook_result(self.hook, bucket.index, value, bucket.buffer)
-
-    def registered(self) -> tuple:
-        return self.state, self.hook
 
 
 def collective_for(state, hook, world_size: int) -> BucketCollective:

@@ -56,6 +56,10 @@ class WrappedAgainError(RuntimeError):
 class DistributedDataParallel(TorchDDPSurface, torch.nn.Module, Joinable):
     """Data-parallel wrapper: same constructor arguments and semantics as torch's DDP."""
 
+    # a named ``bucket_cap_mb`` -> what builds its chooser: none here (the cost model is a layer above);
+    # ``miniddp.DistributedDataParallel`` (``miniddp/composed.py``) names "auto"
+    bucket_cap_choosers: dict = {}
+
     def __init__(self, module: torch.nn.Module, device_ids=None, output_device=None, dim=0, broadcast_buffers=None,
                  init_sync=True, process_group=None, bucket_cap_mb=None, find_unused_parameters=False,
                  check_reduction=False, gradient_as_bucket_view=False, static_graph=False,
@@ -79,7 +83,7 @@ class DistributedDataParallel(TorchDDPSurface, torch.nn.Module, Joinable):
         self.require_backward_grad_sync = True  # False inside no_sync()
         self.require_forward_param_sync = True  # torch's: did the last forward sync (set by forward)
         self._started = False  # a grad-enabled forward has run: too late for register_comm_hook
-        self.auto_cap = bucket_cap_chooser(bucket_cap_mb)  # "auto": the cost model's observer chooses at the rebuild
+        self.auto_cap = bucket_cap_chooser(bucket_cap_mb, self.bucket_cap_choosers)  # "auto": chooses at the rebuild
         self.static_graph = static_graph  # learn the graph in the first backward, then rely on it (static_graph.py)
         self.find_unused_parameters = find_unused_parameters  # walk the graph after each forward (torch's name)
         check_flags(static_graph, find_unused_parameters)
@@ -142,8 +146,8 @@ class DistributedDataParallel(TorchDDPSurface, torch.nn.Module, Joinable):
         self._started = True
         collective = expected = None  # the reducer's own, over the whole group, unless some ranks have joined
         if self.join_context is not None:  # uneven inputs: tell the joined ranks what this iteration does
-            plan = self.join_context.notify(self.require_backward_grad_sync, self.reducer.rebuild_due)
-            self.sync_before_forward(rebuild=plan.rebuild, source=plan.source)
+            plan = self.join_context.notify(will_sync=self.require_backward_grad_sync, rebuild=self.reducer.rebuild_due)
+            self.sync_before_forward(rebuild=plan.flags["rebuild"], source=plan.source)
             collective, expected = self.join_context.hook_of(self).active_collective(plan), len(plan.active)
         else:
             self.sync_before_forward(rebuild=self.reducer.rebuild_due, source=0)
@@ -194,11 +198,11 @@ class DistributedDataParallel(TorchDDPSurface, torch.nn.Module, Joinable):
         """torch's contract: ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]`` is called with each
         ready bucket (a ``comm_hooks.GradBucket``, undivided) and returns a future of the averaged
         ``bucket.buffer()``, which is written back to ``.grad``. Once per model, before the first forward."""
-        if self.reducer.collective.claimed_by is not None:  # ZeRO-2's reduce-scatter is the bucket's collective
-            raise RuntimeError(f"register_comm_hook: {self.reducer.collective.claimed_by} decides each bucket's "
+        if self.reducer.collective_owner is not None:  # ZeRO-2's reduce-scatter is the bucket's collective
+            raise RuntimeError(f"register_comm_hook: {self.reducer.collective_owner} decides each bucket's "
                                "collective (a reduce-scatter); a comm hook cannot replace it")
         try:
-            check_registration(state, hook, registered=self.reducer.collective.registered() is not None,
+            check_registration(state, hook, registered=self.reducer.registered_hook is not None,
                                started=self._started)
         except (TypeError, ValueError, RuntimeError) as refused:  # kept where torch's logger keeps it, too
             self._log_and_raise(refused)

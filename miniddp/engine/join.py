@@ -1,11 +1,12 @@
-"""Uneven inputs: ranks that ran out of data shadow the collectives of those still training.
+"""The generic ``Join`` for uneven inputs: ranks out of data shadow the collectives of any ``Joinable``.
 
 What
     ``Join`` is a context manager around the training loop for a list of ``Joinable`` objects
     (``Join([ddp])``, ``ddp.join()``; later ``Join([ddp, optimizer])``). Every grad-enabled
     forward of a rank with data starts with one small all-reduce, the *round* (``Join.notify``,
-    run by the first joinable, DDP): who is still active, will this backward sync, is the bucket
-    rebuild due. A rank out of data answers rounds in ``__exit__``: each joinable's
+    run by the first joinable, DDP): who is still active, plus the flags the hooks name
+    (``JoinHook.round_flags``; DDP's: will this backward sync, is the bucket rebuild due), each
+    set if any active rank set it. A rank out of data answers rounds in ``__exit__``: each joinable's
     ``JoinHook.main_hook``, in list order, issues what the active ranks are about to issue, until
     a round finds nobody active; then each ``post_hook`` gives every rank the last finisher's
     state. DDP's hook is ``ddp.DDPJoinHook``.
@@ -20,8 +21,8 @@ How torch differs
     The interface of ``torch/distributed/algorithms/join.py`` (``Join``, ``Joinable``,
     ``JoinHook``; DDP's ``_DDPJoinHook``), a list of joinables on one process group and device, as
     torch's. torch's active ranks announce themselves, say whether they sync and pick the buffer
-    source in three all-reduces; we fold them into one of a ``world_size + 2`` vector, handed to
-    every ``main_hook``. A
+    source in three all-reduces; we fold them into one of a ``world_size`` + flags vector (``world_size + 2``
+    with DDP), handed to every ``main_hook``. A
     ``dist.all_reduce`` of your own on an active rank has no partner (torch: the same).
 """
 
@@ -49,8 +50,7 @@ class Round:
     """What one grad-enabled forward will do, agreed by every rank (active or joined)."""
 
     active: tuple[int, ...]  # group ranks that still have data in this iteration
-    will_sync: bool  # does the coming backward all-reduce gradients (not under no_sync)?
-    rebuild: bool  # is the one-time bucket rebuild due before this forward?
+    flags: dict[str, bool]  # each flag the hooks name (JoinHook.round_flags): set if any active rank set it
 
     @property
     def source(self) -> int:
@@ -59,21 +59,21 @@ class Round:
 
 
 @issued_as("join round")
-def exchange_round(world_size: int, rank: int, device, group, *, active: bool, will_sync: bool,
-                   rebuild: bool) -> Round:
-    """One SUM all-reduce over ``group`` of ``[active one-hot..., will_sync, rebuild]`` (``world_size + 2`` floats on
-    ``device``): an active rank sends 1 in its slot and its two flags, a joined rank zeros. Returns the ``Round``:
-    the ranks whose slot is set, ascending; ``will_sync`` and ``rebuild`` if any active rank said so."""
+def exchange_round(world_size: int, rank: int, device, group, *, active: bool, flags: dict[str, bool]) -> Round:
+    """One SUM all-reduce over ``group`` of ``[active one-hot..., flags...]`` (``world_size + len(flags)`` floats on
+    ``device``, the flags in ``flags``' order): an active rank sends 1 in its slot and its flags, a joined rank
+    zeros. Returns the ``Round``: the ranks whose slot is set, ascending; each flag set if any active rank set it."""
     ### BEGIN SOLUTION
-    flags = torch.zeros(world_size + 2, device=device)
+    names = list(flags)
+    vector = torch.zeros(world_size + len(names), device=device)
     if active:
-        flags[rank] = 1
-        flags[world_size] = float(will_sync)
-        flags[world_size + 1] = float(rebuild)
-    dist.all_reduce(flags, group=group)
-    counts = flags.tolist()
+        vector[rank] = 1
+        for i, name in enumerate(names):
+            vector[world_size + i] = float(flags[name])
+    dist.all_reduce(vector, group=group)
+    counts = vector.tolist()
     return Round(active=tuple(r for r in range(world_size) if counts[r] > 0),
-                 will_sync=counts[world_size] > 0, rebuild=counts[world_size + 1] > 0)
+                 flags={name: counts[world_size + i] > 0 for i, name in enumerate(names)})
     ### END SOLUTION
 # --8<-- [end:round]
 
@@ -81,6 +81,8 @@ def exchange_round(world_size: int, rank: int, device, group, *, active: bool, w
 # --8<-- [start:interface]
 class JoinHook:
     """What a joined rank does for one ``Joinable`` (torch's ``JoinHook``); both methods do nothing here."""
+
+    round_flags: tuple[str, ...] = ()  # the flags this hook reads from each Round (an active rank's notify sets them)
 
     def main_hook(self, plan: Round) -> None:
         """One iteration of the active ranks: issue the collectives they issue, in their order, with zeros."""
@@ -140,6 +142,7 @@ class Join:
         self.throw = throw_on_early_termination  # raise everywhere as soon as one rank runs out
         self.kwargs = kwargs  # for every joinable's join_hook (DDP: divide_by_initial_world_size)
         self.hooks: list[JoinHook] = []  # the joinables' hooks, in their order, while the context is open
+        self.flag_names: tuple[str, ...] = ()  # every hook's round_flags, once each, in list order: the round's
         group = self.joinables[0].join_process_group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)  # our rank inside the joinables' group
@@ -152,6 +155,7 @@ class Join:
                     raise RuntimeError(f"this {type(joinable).__name__} is already in an open Join (join()); "
                                        "do not nest them")
             self.hooks = [joinable.join_hook(**self.kwargs) for joinable in self.joinables]
+            self.flag_names = tuple(dict.fromkeys(name for hook in self.hooks for name in hook.round_flags))
             for joinable in self.joinables:
                 joinable.join_context = self
         return self
@@ -161,9 +165,13 @@ class Join:
         return next(h for j, h in zip(self.joinables, self.hooks) if j is joinable)
 
     # --8<-- [start:notify]
-    def notify(self, will_sync: bool, rebuild: bool) -> Round:
-        """Called by an active rank's grad-enabled forward: take part in this iteration's round."""
-        plan = self._round(active=True, will_sync=will_sync, rebuild=rebuild)
+    def notify(self, **flags: bool) -> Round:
+        """Called by an active rank's grad-enabled forward: take part in this iteration's round, with its flags
+        (DDP's: ``will_sync``, ``rebuild``); a flag some hook names and ``flags`` omits is sent unset."""
+        unknown = sorted(set(flags) - set(self.flag_names))
+        if unknown:
+            raise ValueError(f"Join.notify got flags {unknown} that no hook names in round_flags {self.flag_names}")
+        plan = self._round(active=True, flags={name: bool(flags.get(name, False)) for name in self.flag_names})
         self.last_active = plan.active
         if self.throw and len(plan.active) < self.world_size:
             missing = sorted(set(range(self.world_size)) - set(plan.active))
@@ -172,13 +180,15 @@ class Join:
         return plan
     # --8<-- [end:notify]
 
-    def _round(self, **flags) -> Round:
+    def _round(self, *, active: bool, flags: dict[str, bool]) -> Round:
         first = self.joinables[0]
-        return exchange_round(self.world_size, self.rank, first.join_device, first.join_process_group, **flags)
+        return exchange_round(self.world_size, self.rank, first.join_device, first.join_process_group,
+                              active=active, flags=flags)
 
     # --8<-- [start:exit]
     def __exit__(self, exc_type, exc, tb):
-        """This rank is out of data: answer rounds (``self._round``, inactive) until one finds nobody active. At
+        """This rank is out of data: answer rounds (``self._round``, inactive, every flag of ``self.flag_names``
+        unset) until one finds nobody active. At
         each other round: remember its ranks in ``last_active``; with ``self.throw`` raise
         ``EarlyTerminationError`` naming this rank (``f"rank {self.rank} ..."``), else ``main_hook(plan)`` of every
         hook in ``self.hooks``, in order (warning once at ``WARN_AFTER_ROUNDS``). Then every hook's
@@ -193,7 +203,7 @@ class Join:
         ### BEGIN SOLUTION
         rounds = 0
         while True:  # this rank is out of data: answer rounds until nobody is active
-            plan = self._round(active=False, will_sync=False, rebuild=False)
+            plan = self._round(active=False, flags=dict.fromkeys(self.flag_names, False))
             if not plan.active:
                 break
             self.last_active = plan.active

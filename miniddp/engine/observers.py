@@ -61,22 +61,16 @@ class Observers(ReducerObserver):
             o.backward_ended()
 
 
-# ``bucket_cap_mb="auto"``: the cost model (a layer above, ``costmodel/auto_bucket.py``) provides the observer
-# that chooses the cap, registering itself when it is imported (``import miniddp`` does); the engine never
-# imports it, as it never imports the tracer.
-_BUCKET_CAP_CHOOSERS: dict = {}
-
-
-def provide_bucket_cap_chooser(name: str, factory) -> None:
-    """``factory()`` builds the observer DDP attaches for ``bucket_cap_mb=name``; it has ``choose(params, group)``."""
-    _BUCKET_CAP_CHOOSERS[name] = factory
-
-
-def bucket_cap_chooser(bucket_cap_mb):
-    """The chooser for a named cap (``"auto"``), or None for a number (or None: torch's default)."""
+# ``bucket_cap_mb="auto"``: the engine knows no named cap. The class that builds the reducer names its own
+# (``DistributedDataParallel.bucket_cap_choosers``: name -> factory of an observer with ``choose(params, group)``);
+# ``miniddp.DistributedDataParallel`` (``miniddp/composed.py``) names the cost model's for "auto". The engine
+# never imports the cost model, as it never imports the tracer, and nothing registers itself at import.
+def bucket_cap_chooser(bucket_cap_mb, choosers):
+    """The chooser ``choosers`` builds for a named cap (``"auto"``), or None for a number (or None: torch's
+    default)."""
     if not isinstance(bucket_cap_mb, str):
         return None
-    if bucket_cap_mb not in _BUCKET_CAP_CHOOSERS:
-        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r}: no chooser of that name is loaded "
-                         f"(known: {sorted(_BUCKET_CAP_CHOOSERS)}); import miniddp, which loads 'auto'")
-    return _BUCKET_CAP_CHOOSERS[bucket_cap_mb]()
+    if bucket_cap_mb not in choosers:
+        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r}: this class knows no cap of that name (known: "
+                         f"{sorted(choosers)}); miniddp.DistributedDataParallel knows 'auto' (the cost model)")
+    return choosers[bucket_cap_mb]()

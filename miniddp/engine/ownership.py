@@ -55,7 +55,7 @@ def wrapper_state(ddp) -> dict:
     state = torch.nn.Module.__getstate__(ddp)
     reducer = state.pop("reducer")
     state.pop("join_context", None)
-    state["_comm_hook"] = reducer.collective.registered()  # (state, hook), or None: the default path
+    state["_comm_hook"] = reducer.registered_hook  # (state, hook), or None: the default path
     return state
 
 

@@ -5,8 +5,9 @@ What
     the policy. ``begin(outputs)`` at a synced forward: the parameters to mark unused when backward starts.
     ``fire(i)``: parameter i's hook fired; is its gradient complete? ``contribution(grad, accumulated)``:
     what a parameter without a gradient puts in its bucket. ``before_finish(counts, mark_ready)``: at the end
-    of backward, before the missing gradients are marked. ``end(counts, expected, local)``: after the used
-    counts are summed over ranks, raise (on every rank) if the backward broke the policy.
+    of backward, before the missing gradients are marked; a policy may set ``counts.flags``, its own vector
+    that travels with the used counts. ``end(counts, expected, local, flags)``: after the used counts (and
+    those flags) are summed over ranks, raise (on every rank) if the backward broke the policy.
     ``Strict`` (the default): every gradient, on every rank, every time. ``FindUnused``
     (``find_unused_parameters=True``): a graph walk at each forward, zeros for the missing. ``StaticGraph``
     (``static_graph.py``): learned in the first backward, then relied on.
@@ -54,11 +55,13 @@ class Readiness:
         return unused_contribution(grad, False, accumulated)
 
     def before_finish(self, counts, mark_ready) -> None:
-        """At the end of backward, before the reducer marks the missing gradients unused."""
+        """At the end of backward, before the reducer marks the missing gradients unused (``counts``:
+        ``unused.UsedCounts``, whose ``flags`` the policy may set, to be summed with it)."""
 
-    def end(self, counts: list[int], expected: int, local: list[int]) -> None:
+    def end(self, counts: list[int], expected: int, local: list[int], flags: list[int] = ()) -> None:
         """``counts``: ranks that had each gradient; ``expected``: ranks that took part; ``local``: this rank's
-        missing ones. Raise ``unused.UnusedParameterError`` on every rank for a gradient some rank lacked."""
+        missing ones; ``flags``: the policy's own, summed. Raise ``unused.UnusedParameterError`` on every rank
+        for a gradient some rank lacked."""
         check_counts(counts, expected, self.names, find_unused=False, local=local, params=self.params)
 # --8<-- [end:interface]
 
@@ -83,6 +86,6 @@ class FindUnused(Readiness):
     def contribution(self, grad, accumulated: bool):
         return unused_contribution(grad, True, accumulated)
 
-    def end(self, counts: list[int], expected: int, local: list[int]) -> None:
+    def end(self, counts: list[int], expected: int, local: list[int], flags: list[int] = ()) -> None:
         self.warned |= check_counts(counts, expected, self.names, find_unused=True, local=local, params=self.params,
                                     warn_if_nothing_unused=not self.warned)

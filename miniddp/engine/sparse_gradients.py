@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm_hooks.byte_count import payload
+from ..collectives.byte_count import payload
 from ..comm_hooks.grad_bucket import GradBucket
 
 

@@ -93,30 +93,30 @@ class StaticGraph(Readiness):
     def before_finish(self, counts, mark_ready) -> None:
         """At the end of every synced backward, before the reducer marks the missing gradients unused. The
         first: ``mark_ready(i)`` for each parameter that got a gradient, so all buckets go out now. Every one:
-        append the flags to this rank's ``counts.local``: per parameter, 1 if its firings differ from the first
-        backward's; then per rank, 1 in this rank's own slot if any does."""
+        set ``counts.flags`` (this policy's own vector, summed with the used counts): per parameter, 1 if its
+        firings differ from the first backward's; then per rank, 1 in this rank's own slot if any does."""
         ### BEGIN SOLUTION
         if self.learning:
             for i in [i for i, n in enumerate(self.fired) if n > 0]:
                 mark_ready(i)
         changed = [0] * len(self.names) if self.learning else [int(f != e) for f, e in zip(self.fired, self.expected)]
-        counts.local += changed + [int(any(changed) and r == self.rank) for r in range(self.world_size)]
+        counts.flags = changed + [int(any(changed) and r == self.rank) for r in range(self.world_size)]
         ### END SOLUTION
 
-    def end(self, counts: list[int], expected: int = 0, local=()) -> None:
-        """After the all-reduce of the counts ``before_finish`` extended: for n parameters, ``counts[:n]`` the used
-        counts, ``counts[n:2n]`` per parameter the ranks whose firings changed, ``counts[2n:]`` per rank 1 if its
-        did. Adds 1 to ``ended`` each time; learns ``expected`` (the firings) from the first backward; after it,
-        raises ``self.changed(params, ranks)`` (parameters changed on some rank, ranks that changed, ascending) on
-        every rank if any changed. (``expected`` and ``local``, the strict check's, are not needed here.)"""
+    def end(self, counts: list[int], expected: int = 0, local=(), flags: list[int] = ()) -> None:
+        """After the all-reduce of the flags ``before_finish`` set, summed over ranks: for n parameters,
+        ``flags[:n]`` per parameter the ranks whose firings changed, ``flags[n:]`` per rank 1 if its did. Adds 1
+        to ``ended`` each time; learns ``expected`` (the firings) from the first backward; after it, raises
+        ``self.changed(params, ranks)`` (parameters changed on some rank, ranks that changed, ascending) on every
+        rank if any changed. (``counts``, ``expected`` and ``local``, the strict check's, are not needed here.)"""
         ### BEGIN SOLUTION
         n, self.ended = len(self.names), self.ended + 1
         if self.learning:
             self.expected = list(self.fired)
             return
-        ranks = [r for r, f in enumerate(counts[2 * n:]) if f]
+        ranks = [r for r, f in enumerate(flags[n:]) if f]
         if ranks:
-            raise self.changed([i for i in range(n) if counts[n + i]], ranks)
+            raise self.changed([i for i in range(n) if flags[i]], ranks)
         ### END SOLUTION
 
     def changed(self, params: list[int], ranks: list[int]) -> StaticGraphChangedError:

@@ -194,7 +194,7 @@ class TorchDDPSurface:
         old = self.reducer  # before any forward: a reducer built with static_graph=True is what the constructor makes
         self.static_graph = self._reducer_args["static_graph"] = True
         self.reducer = self._build_reducer(next((o for o in old.observers.observers if o is not self.auto_cap), None))
-        self.reducer.set_comm_hook(*(old.collective.registered() or (None, None)))
+        self.reducer.set_comm_hook(*(old.registered_hook or (None, None)))
         check_flags(True, self.find_unused_parameters)
 
     def _get_ddp_logging_data(self) -> dict:
@@ -216,7 +216,7 @@ class TorchDDPSurface:
         if hook is None:
             raise ValueError(f"{comm_hook_type!r} is not a torch.distributed.BuiltinCommHookType (ALLREDUCE, "
                              "FP16_COMPRESS); pass one, or register_comm_hook(state, hook)")
-        if self.reducer.collective.registered() is not None:
+        if self.reducer.registered_hook is not None:
             raise RuntimeError("register_builtin_comm_hook or register_comm_hook can only be called once. "
                                "A model has one comm hook; to change it, wrap the model again")
         self.register_comm_hook(self._process_group, hook)

@@ -28,7 +28,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from ..comm_hooks.byte_count import record
+from ..collectives.byte_count import record
 from ..process_group.fingerprint import issued_as
 
 
@@ -117,12 +117,16 @@ def unused_contribution(grad, find_unused: bool, accumulated: bool):
 
 class UsedCounts:
     """How many ranks produced each parameter's gradient in one backward: a 1 or 0 per parameter on
-    each rank, summed by one small all-reduce after the last bucket (int32: exact for any world size)."""
+    each rank, summed by one small all-reduce after the last bucket (int32: exact for any world size).
+    A readiness policy's own flags (static graph's) are a second, named vector that rides in the same
+    all-reduce: ``flags`` here, ``summed_flags()`` after it."""
 
     def __init__(self, num_params: int, used: int = 1):
         self.local = [used] * num_params  # 1: this rank sends a real gradient for parameter i
+        self.flags: list[int] = []  # the readiness policy's, set before the all-reduce (static graph's)
         self.kept: dict[int, torch.Tensor] = {}  # parameter -> its bucket-view .grad, to restore if no rank used it
         self.summed: torch.Tensor | None = None
+        self.host: list[int] | None = None  # the summed vector on the host, copied once
 
     def mark_unused(self, i: int, grad=None, view=None) -> None:
         """Parameter i sends no gradient of its own. If its ``.grad`` is its bucket's ``view``
@@ -133,12 +137,21 @@ class UsedCounts:
 
     @issued_as("used-counts all-reduce")
     def all_reduce(self, group, device) -> torch.futures.Future:
-        self.summed = torch.tensor(self.local, dtype=torch.int32).to(device, non_blocking=True)  # no stream sync
+        # both parts in one message: one collective per backward, whatever the policy
+        self.summed = torch.tensor(self.local + self.flags, dtype=torch.int32).to(device, non_blocking=True)
         record("all_reduce (used counts)", self.summed)
         return dist.all_reduce(self.summed, group=group, async_op=True).get_future()
 
     def counts(self) -> list[int]:
-        return self.summed.tolist()  # one host copy per backward (a sync point on a GPU)
+        """Per parameter, how many ranks had its gradient."""
+        if self.host is None:
+            self.host = self.summed.tolist()  # one host copy per backward (a sync point on a GPU)
+        return self.host[: len(self.local)]
+
+    def summed_flags(self) -> list[int]:
+        """The policy's ``flags``, summed over ranks (empty when it set none)."""
+        self.counts()  # the summed vector on the host, copied once
+        return self.host[len(self.local) :]
 
     def restore_kept(self, params, counts: list[int]) -> None:
         """After the write-back: a bucket-view ``.grad`` that no rank used is put back as it was."""

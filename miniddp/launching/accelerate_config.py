@@ -11,7 +11,7 @@ What
     ``rdzv_backend``, ``debug``); ``ignored_settings`` names, once, the keys it reads and does not
     act on (``dynamo_config``, the TPU keys...). ``distributed_type: DEEPSPEED`` runs miniddp's ZeRO
     (stage 0-2): ``deepspeed_variables`` are the ``ACCELERATE_*`` variables its ``deepspeed_config`` block
-    becomes (``training/deepspeed_args.py``, where each key is checked and the trainer reads them back).
+    becomes (``zero/deepspeed_config.py``, where each key is checked and the trainer reads them back).
 
 Why
     A setting that is accepted and then dropped without a word is a silent wrong answer: the user
@@ -32,7 +32,7 @@ import os
 
 import yaml
 
-from ..training.deepspeed_args import accelerate_variables
+from ..zero.deepspeed_config import accelerate_variables
 from .launch_checks import MAX_PER_MACHINE, MAX_PROCESSES, host, shown
 
 KNOWN_KEYS = {"compute_environment", "distributed_type", "num_processes", "num_machines", "machine_rank",

@@ -34,7 +34,7 @@ import sys
 
 import yaml
 
-from ..training.deepspeed_args import FP16_WITH_ZERO, accelerate_variables
+from ..zero.deepspeed_config import FP16_WITH_ZERO, accelerate_variables
 from .accelerate_config import default_config_file, default_config_source, write_config
 from .launch_checks import MAX_PER_MACHINE, MAX_PROCESSES, OneLineParser, host, unwritable, whole_number
 
@@ -156,7 +156,7 @@ def deepspeed_questions() -> dict:
 
 
 def _deepspeed_file(answer: str) -> str:
-    """A DeepSpeed JSON miniddp can run, by its key names (``training/deepspeed_args.py``): else ValueError."""
+    """A DeepSpeed JSON miniddp can run, by its key names (``zero/deepspeed_config.py``): else ValueError."""
     if not os.path.isfile(answer):
         raise ValueError(f"no file at {answer!r}: give the path of a DeepSpeed config JSON (ds_config.json)")
     accelerate_variables({"deepspeed_config_file": answer}, "the DeepSpeed config file")

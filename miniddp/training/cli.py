@@ -154,7 +154,7 @@ def main(argv=None) -> dict:
     import torch.distributed as dist  # torch-heavy imports after the flags are known to be good
 
     from ..process_group.stalled_ranks import StalledRankError
-    from .checkpoint import CHECKPOINT_ERRORS
+    from .checkpoint_format import CHECKPOINT_ERRORS
     from .nonfinite import NonFiniteLossError
     from .output_dir import OutputDirError
     from .resume import SetupChangedError

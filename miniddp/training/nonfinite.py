@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..process_group.stalled_ranks import naming_stalled_ranks
-from .checkpoint_dirs import checkpoints
+from .checkpoint_timeline import checkpoints
 
 
 class NonFiniteLossError(RuntimeError):

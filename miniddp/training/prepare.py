@@ -32,10 +32,10 @@ from contextlib import nullcontext
 import torch
 from torch.utils.data import DataLoader
 
-from ..by_hand.sharding import ShardSampler
 from ..comm_hooks import hook_by_name
-from ..engine.ddp import DistributedDataParallel
-from ..zero.zero_ddp_optimizer import ZeroOptimizer
+from ..composed import DistributedDataParallel  # bucket_cap_mb="auto" included
+from ..data.sharding import ShardSampler
+from ..zero.reduce_scatter_optimizer import ZeroOptimizer
 from .config import TrainingConfig
 
 

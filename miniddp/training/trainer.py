@@ -12,7 +12,7 @@ What
     ``batches.py`` (the loop knows no task). Where the run is lives in one ``TrainerState``
     (``trainer.state``, ``trainer_state.py``); the loop hands it to two collaborators built with
     what they need: a ``ProgressReporter`` logs, evaluates and writes the results (``reporting.py``),
-    a ``Checkpointer`` saves checkpoints and resumes exactly (``trainer_checkpoint.py``).
+    a ``Checkpointer`` saves checkpoints and resumes exactly (``checkpointer.py``).
 
 Why
     The pieces are only understood once they run together. This loop is also the oracle for
@@ -39,12 +39,13 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+from ..engine.compile_graph_split import DDPOptimizer
 from ..engine.ddp import move_to
-from ..engine.ddp_optimizer import DDPOptimizer
 from ..process_group.env import init_distributed
 from ..process_group.stalled_ranks import naming_stalled_ranks
-from ..zero.zero_ddp_optimizer import ZeroOptimizer
+from ..zero.reduce_scatter_optimizer import ZeroOptimizer
 from .batches import compute_loss, count_items, counts_items, evaluate
+from .checkpointer import Checkpointer
 from .config import TrainingConfig
 from .deepspeed_args import deepspeed_settings
 from .epoch import plan_epoch
@@ -52,7 +53,6 @@ from .nonfinite import grad_norm, stop_if_not_finite
 from .prepare import prepare_dataloader, prepare_mixed_precision, prepare_model, prepare_optimizer
 from .reporting import ProgressReporter
 from .resume import epoch_batches, seed_per_rank, setup_of
-from .trainer_checkpoint import Checkpointer
 from .trainer_state import TrainerState
 
 

@@ -1,30 +1,31 @@
-"""DeepSpeed's config names, read into what miniddp implements: ZeRO stage 0, 1 or 2 on miniddp's own engine.
+"""DeepSpeed's config, read in one place: a file, JSON, base64 or a dict, or what ``accelerate launch`` passes.
 
 What
-    This is miniddp's ZeRO (``zero_ddp_optimizer.py``) read from DeepSpeed's names, not DeepSpeed.
-    ``load_deepspeed_config(value)`` takes what ``TrainingArguments(deepspeed=...)`` takes: a JSON file's
-    path, JSON text (or base64 of it) or a dict. ``check_keys`` accepts ``zero_optimization.stage`` 0, 1 or 2,
-    the batch, clipping and precision keys, and the ZeRO keys that describe what miniddp does anyway
-    (``ACCEPTED``); every other key is a ``DeepSpeedConfigError`` whose ``.key`` is its dotted path, in one line
-    with the fix. ``zero_settings`` fills ``"auto"`` from the trainer's values and refuses a concrete value that
-    disagrees with them, as Hugging Face's ``HfTrainerDeepSpeedConfig.trainer_config_process`` does
-    (``transformers/integrations/deepspeed.py``); a value no trainer setting could match (NaN, infinity, a
-    negative or fractional count) is refused as such first (``number_problem``; 1.0 counts as 1). The
-    ``optimizer`` and ``scheduler`` blocks are ``deepspeed_optim.py``'s.
+    The one reader of a DeepSpeed config: it reads and checks (the keys, the ``"auto"`` values, the refusals);
+    ``training/deepspeed_args.py`` only turns what it returns into the trainer's settings. ``load_deepspeed_config``
+    takes what ``TrainingArguments(deepspeed=...)`` takes: a JSON file's path, JSON text (or base64 of it) or a
+    dict. ``accelerate_deepspeed_config`` rebuilds the config that ``accelerate launch`` (and ``miniddp launch``)
+    hands the processes in ``ACCELERATE_*`` variables, as Accelerate's ``DeepSpeedPlugin`` does;
+    ``accelerate_variables`` turns a YAML's ``deepspeed_config`` block into those variables (``VARIABLES``:
+    Accelerate's names, both ways), refusing a key miniddp does not implement before any process starts.
+    ``check_file`` checks what a config says alone: its keys (``deepspeed_keys.check_keys``), its optimizer and
+    scheduler blocks (``deepspeed_optim.read_blocks``), and fp16 with ZeRO stage 1 or 2, which the trainer
+    refuses whatever its flags. ``read_deepspeed_config(config, source, args)`` checks it against the trainer's
+    values (TrainingArguments' names, and ``world_size``): each ``"auto"`` filled, a value that disagrees
+    refused, and returns the ``ZeroSettings``, DeepSpeed's schedule included. Every refusal is a
+    ``DeepSpeedConfigError`` in one line naming the key.
 
 Why
-    Users arrive with a ``ds_config.json`` or an Accelerate YAML that says ``distributed_type: DEEPSPEED``; the
-    stage is the part that teaches (what is sharded, what it costs). A key accepted and then not acted on
-    (offloading, stage 3, an optimizer other than AdamW) would be a silent wrong answer: each is one line at
-    config time, before any rank trains. A file that cannot be read as JSON (not UTF-8, nested past Python's
-    recursion limit) is one line too, never a traceback.
+    Users arrive with a ``ds_config.json`` or an Accelerate YAML that says ``distributed_type: DEEPSPEED``. One
+    reader means the launcher, ``miniddp config`` and the trainer refuse the same keys with the same words. A file
+    that cannot be read as JSON (not UTF-8, nested past Python's recursion limit) is one line too, never a
+    traceback.
 
 How DeepSpeed and Hugging Face differ
-    DeepSpeed reads ~150 keys and builds its own engine, optimizer and loss scaler; Hugging Face fills the
-    ``"auto"`` values and lets DeepSpeed clip (an absent ``gradient_clipping`` means no clipping there, whatever
-    ``max_grad_norm`` says; here ``max_grad_norm`` applies). ``reduce_bucket_size`` counts elements there; here
-    it is DDP's bucket cap at 4 bytes an element (``"auto"``, which Hugging Face fills with hidden_size², keeps
-    ``ddp_bucket_cap_mb``). Like DeepSpeed, a JSON key written twice is refused.
+    DeepSpeed reads its JSON itself; Hugging Face's ``HfTrainerDeepSpeedConfig`` fills the ``"auto"`` values first,
+    and Accelerate's ``DeepSpeedPlugin`` builds a config from its variables when no file is given (ZeRO stage 2 by
+    default). Like DeepSpeed, a JSON key written twice is refused. ``accelerate launch`` ignores DeepSpeed on the
+    CPU (``use_cpu``); miniddp's ZeRO runs there on gloo.
 """
 
 from __future__ import annotations
@@ -32,77 +33,33 @@ from __future__ import annotations
 import base64
 import binascii
 import copy
+import dataclasses
 import json
-import math
 import os
-from dataclasses import dataclass
 
-STAGES = (0, 1, 2)
+from .deepspeed_keys import STAGES, DeepSpeedConfigError, ZeroSettings, check_keys, zero_settings
+from .deepspeed_optim import read_blocks
+
 MAX_DEPTH = 32  # DeepSpeed's deepest keys are a few levels down; far below Python's recursion limit
-ELEMENT_BYTES = 4  # reduce_bucket_size counts fp32 gradient elements; DDP's cap counts MiB
-# --8<-- [start:accepted]
-# What miniddp reads. "matched": "auto" or equal to the trainer's value (Hugging Face's trainer_config_process).
-ACCEPTED = {
-    "train_micro_batch_size_per_gpu": "matched: per_device_train_batch_size",
-    "gradient_accumulation_steps": "matched: gradient_accumulation_steps",
-    "train_batch_size": "matched: per_device_train_batch_size x world size x gradient_accumulation_steps",
-    "gradient_clipping": "matched: max_grad_norm (0: no clipping)",
-    "fp16.enabled": "matched: mixed_precision fp16 (its loss-scale keys only while fp16 is off)",
-    "bf16.enabled": "matched: mixed_precision bf16",
-    "zero_optimization.stage": "0 (DDP), 1 (optimizer state sharded) or 2 (gradients too)",
-    "zero_optimization.reduce_bucket_size": "DDP's bucket cap, elements x 4 bytes; auto: ddp_bucket_cap_mb",
-    "zero_optimization.reduce_scatter": "true: each bucket is reduce-scattered",
-    "zero_optimization.allgather_partitions": "true: the parameters are all-gathered after the step",
-    "zero_optimization.allgather_bucket_size": "read, not used: the all-gather goes bucket by bucket",
-    "zero_optimization.overlap_comm": "read, not used: buckets always go out during the backward",
-    "zero_optimization.contiguous_gradients": "read, not used: a bucket is one contiguous buffer",
-    "zero_optimization.offload_optimizer.device": "none: nothing is offloaded",
-    "zero_optimization.offload_param.device": "none: nothing is offloaded",
-    "zero_allow_untested_optimizer": "read, not used: ZeRO steps torch's AdamW",
-    "steps_per_print": "read, not used: DeepSpeed's console log; the trainer logs every logging_steps",
-    "wall_clock_breakdown": "false: no timing breakdown",
-}
-# --8<-- [end:accepted]
-FIXES = {  # blocks users often bring, and what to do instead
-    "zero_optimization.offload_optimizer": "miniddp keeps the optimizer state on the device: set its device to "
-                                           "none or delete the block (offloading is DeepSpeed's)",
-    "zero_optimization.offload_param": "miniddp keeps the parameters on the device: set its device to none or "
-                                       "delete the block (offloading is DeepSpeed's)",
-}
-BLOCKS = ("optimizer", "scheduler")  # read by deepspeed_optim.py (training/deepspeed_args.py reads both)
-# the range of a concrete value, checked before it is compared: (smallest, a whole number?)
-RANGES = {"train_micro_batch_size_per_gpu": (1, True), "gradient_accumulation_steps": (1, True),
-          "train_batch_size": (1, True), "gradient_clipping": (0, False),
-          "zero_optimization.reduce_bucket_size": (1, False)}
-
-
-class DeepSpeedConfigError(ValueError):
-    """A DeepSpeed config miniddp cannot run as written; ``.key`` is the dotted path it is about (None: the
-    config as a whole), ``.source`` where the config came from (a file: its path), ``.disagrees_with`` the
-    trainer's setting a valid value contradicts (None: the value, or the key, is refused by itself)."""
-
-    def __init__(self, source: str, key: str | None, problem: str, disagrees_with: str | None = None):
-        where = f"{key}{'' if problem[:1] in '=:' else ' '}" if key else ""
-        super().__init__(f"{source}: {where}{problem}")
-        self.key, self.source, self.disagrees_with = key, source, disagrees_with
-
-
-@dataclass(frozen=True)
-class ZeroSettings:
-    """What a DeepSpeed config asks of miniddp."""
-
-    stage: int = 0  # 0: plain DDP; 1: the optimizer state sharded; 2: the gradients too
-    bucket_cap_mb: float | None = None  # from zero_optimization.reduce_bucket_size; None: ddp_bucket_cap_mb's
-    schedule: object = None  # deepspeed_optim.Schedule, from the scheduler block; None: the trainer's linear decay
-
-
-def number_problem(value, low: float, whole: bool) -> str | None:
-    """Why ``value`` is no number >= ``low`` (whole: an integral float is its int, as 1.0 == 1), NaN and infinity
-    being none; None: it is one. The text follows the key's name, as DeepSpeedConfigError writes it."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < low or \
-            (whole and value != int(value)):
-        return f"={json.dumps(value, default=str)} must be a {'whole' if whole else 'finite'} number >= {low:g}"
-    return None
+TRUE_WORDS = ("1", "true", "yes", "y", "t", "on")  # Accelerate's str_to_bool
+FP16_WITH_ZERO = "GradScaler unscales .grad, which ZeRO leaves None (each rank holds a shard of the gradient)"
+# --8<-- [start:variables]
+# Accelerate's deepspeed_config keys (its YAML: accelerate/commands/config/cluster.py) and the variable accelerate
+# launch passes each in (utils/launch.py, prepare_deepspeed_cmd_env), which DeepSpeedPlugin reads back
+VARIABLES = {"zero_stage": "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+             "gradient_accumulation_steps": "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
+             "gradient_clipping": "ACCELERATE_GRADIENT_CLIPPING",
+             "deepspeed_config_file": "ACCELERATE_DEEPSPEED_CONFIG_FILE",
+             "offload_optimizer_device": "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
+             "offload_param_device": "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
+             "zero3_init_flag": "ACCELERATE_DEEPSPEED_ZERO3_INIT",
+             "zero3_save_16bit_model": "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL"}
+# keys miniddp takes only with the value that describes what it does anyway
+ONLY = {"offload_optimizer_device": "none", "offload_param_device": "none", "offload_optimizer_nvme_path": "none",
+        "offload_param_nvme_path": "none", "zero3_init_flag": False, "zero3_save_16bit_model": False,
+        "deepspeed_multinode_launcher": "standard"}  # standard: torchrun on each machine, as miniddp launch runs
+WITH_FILE = ("deepspeed_config_file", "zero3_init_flag", "deepspeed_multinode_launcher")  # Accelerate's rule
+# --8<-- [end:variables]
 
 
 def _no_duplicates(pairs):
@@ -179,106 +136,81 @@ def load_deepspeed_config(value, source: str = "deepspeed") -> tuple[dict, str]:
     return copy.deepcopy(config), named
 
 
-def _flat(config: dict, prefix: str = "") -> dict:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; an empty block stays as itself."""
-    out = {}
-    for key, value in config.items():
-        if isinstance(value, dict) and value:
-            out |= _flat(value, f"{prefix}{key}.")
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
+def check_file(config: dict, source: str) -> int:
+    """What a DeepSpeed JSON says alone, before any trainer reads it: its keys, its optimizer and scheduler blocks,
+    and fp16 with ZeRO stage 1 or 2 (refused by the trainer whatever its flags); its ZeRO stage."""
+    stage = check_keys(config, source)
+    read_blocks(config, source)
+    if stage > 0 and config.get("fp16", {}).get("enabled") is True:
+        raise DeepSpeedConfigError(source, "fp16.enabled", f"=true cannot run with ZeRO stage {stage}: "
+                                   f"{FP16_WITH_ZERO}: set bf16.enabled, or stage 0")
+    return stage
 
 
-PRIORITY = ("zero_optimization.stage", "zero_optimization.offload_optimizer.device",
-            "zero_optimization.offload_param.device")  # said first: the refusal that matters most
+def read_deepspeed_config(config: dict, source: str, args: dict) -> ZeroSettings:
+    """``config`` checked against the trainer's values ``args`` (TrainingArguments' names, and ``world_size``: None
+    while unknown), its ``"auto"`` values filled: the stage, the bucket cap and DeepSpeed's schedule."""
+    return dataclasses.replace(zero_settings(config, source, args), schedule=read_blocks(config, source, args))
 
 
-def _refusal(key: str, value, flat: dict) -> str | None:
-    """Why ``key`` (its value ``value``) cannot run here, with the fix; None when it can."""
-    if key.split(".")[0] in BLOCKS:
-        return None  # deepspeed_optim.py's
-    if value == {} and any(name.startswith(key + ".") for name in ACCEPTED):
-        return None  # an empty block of keys miniddp reads: DeepSpeed's defaults
-    block = next((b for b in FIXES if key == b or key.startswith(b + ".")), None)
-    if key.startswith("zero_optimization.offload_") and flat.get(f"{block}.device") == "none":
-        return None  # offloading to "none": its other keys configure nothing
-    if block is not None and key not in ACCEPTED:
-        return FIXES[block]
-    if key.startswith(("zero_optimization.stage3_", "zero_optimization.zero_")):
-        return "is a ZeRO stage 3 (or ZeRO++) setting; miniddp implements stages 0-2: delete it"
-    if key.startswith("fp16.") and flat.get("fp16.enabled") is not True:
-        return None  # a loss scaler that is off configures nothing
-    if key not in ACCEPTED:
-        return "is a DeepSpeed setting miniddp does not implement: delete it (what miniddp reads: docs/trainer.md)"
-    wanted = {"zero_optimization.reduce_scatter": True, "zero_optimization.allgather_partitions": True,
-              "wall_clock_breakdown": False, "zero_optimization.offload_optimizer.device": "none",
-              "zero_optimization.offload_param.device": "none"}
-    if key in wanted and value != wanted[key]:
-        return f"={json.dumps(value)}: {FIXES.get(key.rpartition('.')[0]) or 'set it to ' + json.dumps(wanted[key])}"
-    if key == "zero_optimization.stage" and (value not in STAGES or type(value) is not int):
-        return (f"={json.dumps(value)}: ZeRO stage 3 (parameter sharding) is not implemented in miniddp: use 0, 1 "
-                "or 2, or DeepSpeed itself") if value == 3 else f"={json.dumps(value)} must be 0, 1 or 2"
-    return None
+# --8<-- [start:yaml]
+def accelerate_variables(block, source: str) -> dict[str, str]:
+    """The variables accelerate launch sets for a YAML's ``deepspeed_config`` block, each key checked first."""
+    if not isinstance(block, dict):
+        raise DeepSpeedConfigError(source, "deepspeed_config", f": {json.dumps(block, default=str)} must be a "
+                                   "mapping of accelerate's DeepSpeed keys, e.g. `zero_stage: 2`")
+    for key, value in block.items():
+        where, shown = f"deepspeed_config.{key}", f": {json.dumps(value, default=str)}"
+        if key not in VARIABLES and key not in ONLY:
+            raise DeepSpeedConfigError(source, where, f"{shown}: not implemented in miniddp (it runs ZeRO stages "
+                                       "0-2 on its own engine): delete it, or use accelerate launch with DeepSpeed")
+        if "deepspeed_config_file" in block and key not in WITH_FILE:
+            raise DeepSpeedConfigError(source, where, f"{shown}: with deepspeed_config_file the JSON says it "
+                                       "(Accelerate refuses both): delete it here")
+        if key in ONLY and value != ONLY[key]:
+            raise DeepSpeedConfigError(source, where, f"{shown}: miniddp implements {json.dumps(ONLY[key])} only "
+                                       "(no offloading, no stage 3, torchrun on each machine): set it so or delete it")
+        if key == "zero_stage" and (type(value) is not int or value not in STAGES):
+            raise DeepSpeedConfigError(source, where, f"{shown}: miniddp runs ZeRO stage 0, 1 or 2" +
+                                       (" (stage 3, parameter sharding, is DeepSpeed's)" if value == 3 else ""))
+        if key == "gradient_accumulation_steps" and (type(value) is not int or value < 1):
+            raise DeepSpeedConfigError(source, where, f"{shown} must be a whole number >= 1")
+        if key == "gradient_clipping" and (type(value) not in (int, float) or not value >= 0):
+            raise DeepSpeedConfigError(source, where, f"{shown} must be a number >= 0 (0: no clipping)")
+    if "deepspeed_config_file" in block:  # its keys now, before any process starts (the rest: the trainer's)
+        check_file(*load_deepspeed_config(block["deepspeed_config_file"], f"{source}: deepspeed_config_file"))
+    return {"ACCELERATE_USE_DEEPSPEED": "true",
+            **{VARIABLES[k]: str(v).lower() if isinstance(v, bool) else str(v) for k, v in block.items()
+               if k in VARIABLES}}
+# --8<-- [end:yaml]
 
 
-def check_keys(config: dict, source: str = "deepspeed") -> int:
-    """Refuse the first key miniddp does not implement (its dotted path, the fix); return the ZeRO stage."""
-    return _check_flat(_flat(config), source)
+# --8<-- [start:accelerate]
+def accelerate_deepspeed_config(environ=None) -> tuple[dict, str] | None:
+    """The DeepSpeed config that ``accelerate launch`` passes in ``ACCELERATE_*`` variables, rebuilt as Accelerate's
+    ``DeepSpeedPlugin.__post_init__`` does, and where it came from; None unless ``ACCELERATE_USE_DEEPSPEED``."""
+    env = os.environ if environ is None else environ
+    if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() not in TRUE_WORDS:
+        return None
+    if env.get(VARIABLES["deepspeed_config_file"], "none") != "none":  # the JSON says all
+        return load_deepspeed_config(env[VARIABLES["deepspeed_config_file"]], VARIABLES["deepspeed_config_file"])
+    source = "accelerate's deepspeed_config (ACCELERATE_* variables)"
+    for key in ("zero3_init_flag", "zero3_save_16bit_model"):
+        if env.get(VARIABLES[key], "false").lower() in TRUE_WORDS:
+            raise DeepSpeedConfigError(source, key, f"is a ZeRO stage 3 setting; miniddp implements stages 0-2: "
+                                       f"unset {VARIABLES[key]}")
+    stage = env.get(VARIABLES["zero_stage"], "2")  # Accelerate's default stage
+    config = {"zero_optimization": {"stage": int(stage) if stage.isascii() and stage.isdigit() else stage}}
+    for key in ("gradient_accumulation_steps", "gradient_clipping"):  # "auto" when unset: the trainer's
+        given = env.get(VARIABLES[key], "auto")
+        try:
+            config[key] = "auto" if given == "auto" else int(given) if given.isdigit() else float(given)
+        except ValueError:
+            raise DeepSpeedConfigError(source, key, f"({VARIABLES[key]}={given!r}) must be a number") from None
+    for place in ("optimizer", "param"):
+        device = env.get(VARIABLES[f"offload_{place}_device"], "none")
+        if device != "none":  # refused by check_keys, naming zero_optimization.offload_<place>.device
+            config["zero_optimization"][f"offload_{place}"] = {"device": device}
+    return config, source
+# --8<-- [end:accelerate]
 
-
-def _check_flat(flat: dict, source: str) -> int:
-    for key in sorted(flat, key=lambda k: PRIORITY.index(k) if k in PRIORITY else len(PRIORITY)):
-        why = _refusal(key, flat[key], flat)
-        if why is not None:
-            raise DeepSpeedConfigError(source, key, why)
-    return flat.get("zero_optimization.stage", 0)
-
-
-# --8<-- [start:matched]
-def _trainer_value(key: str, args: dict):
-    """The trainer's value that DeepSpeed's ``key`` must agree with, and its name (None: not known yet)."""
-    world, per_device, steps = args.get("world_size"), args["per_device_train_batch_size"], \
-        args["gradient_accumulation_steps"]
-    return {
-        "train_micro_batch_size_per_gpu": (args["per_device_train_batch_size"], "per_device_train_batch_size"),
-        "gradient_accumulation_steps": (args["gradient_accumulation_steps"], "gradient_accumulation_steps"),
-        "train_batch_size": (world and world * per_device * steps,
-                             f"world_size {world} x per_device_train_batch_size x gradient_accumulation_steps"),
-        "gradient_clipping": (args["max_grad_norm"], "max_grad_norm"),
-        "fp16.enabled": (args["mixed_precision"] == "fp16", f"mixed_precision={args['mixed_precision']!r}"),
-        "bf16.enabled": (args["mixed_precision"] == "bf16", f"mixed_precision={args['mixed_precision']!r}"),
-    }[key]
-
-
-def zero_settings(config: dict, source: str, args: dict) -> ZeroSettings:
-    """``config`` checked, its ``"auto"`` values taken from ``args`` (TrainingArguments' names, and
-    ``world_size``: None while unknown) and its concrete values compared with them."""
-    flat = _flat(config)
-    for key in [k for k in ACCEPTED if k in flat and ACCEPTED[k].startswith("matched")]:
-        value, (want, name) = flat[key], _trainer_value(key, args)
-        if value == "auto":
-            flat[key] = value if want is None else want  # Hugging Face's fill_match
-            continue
-        problem = (None if isinstance(value, bool) else f"={json.dumps(value, default=str)} must be true or false") \
-            if key.endswith(".enabled") else number_problem(value, *RANGES[key])  # NaN is no disagreement
-        if problem:
-            raise DeepSpeedConfigError(source, key, f'{problem}, or "auto" (the trainer\'s)')
-        if want is not None and value != want:
-            raise DeepSpeedConfigError(source, key, f"={json.dumps(value)} disagrees with {name} "
-                                       f'({json.dumps(want)}): set it to "auto" (filled from the trainer, as '
-                                       f"Hugging Face does) or to {json.dumps(want)}", disagrees_with=name)
-    stage = _check_flat(flat, source)  # with "auto" filled: fp16's loss-scale keys count once fp16 is on
-    cap = flat.get("zero_optimization.reduce_bucket_size", "auto")
-    if cap == "auto":
-        return ZeroSettings(stage=stage)
-    if number_problem(cap, *RANGES["zero_optimization.reduce_bucket_size"]):
-        raise DeepSpeedConfigError(source, "zero_optimization.reduce_bucket_size", number_problem(
-            cap, *RANGES["zero_optimization.reduce_bucket_size"]) + ' elements, or "auto" (ddp_bucket_cap_mb)')
-    mb = cap * ELEMENT_BYTES / 2**20
-    if args.get("ddp_bucket_cap_mb") not in (None, mb):
-        raise DeepSpeedConfigError(source, "zero_optimization.reduce_bucket_size", f"={json.dumps(cap)} ({mb:g} MiB) "
-                                   f"disagrees with ddp_bucket_cap_mb={args['ddp_bucket_cap_mb']!r}: set one of them "
-                                   '(the other "auto" or unset)', disagrees_with="ddp_bucket_cap_mb")
-    return ZeroSettings(stage=stage, bucket_cap_mb=mb)
-# --8<-- [end:matched]

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .deepspeed_config import DeepSpeedConfigError, number_problem
+from .deepspeed_keys import DeepSpeedConfigError, number_problem
 
 ADAM_TYPES = ("adamw", "adam")  # DeepSpeed compares its own optimizers' names in lower case
 SCHEDULES = ("WarmupLR", "WarmupDecayLR")

@@ -9,7 +9,9 @@ What
     into the bucket, one SUM reduce-scatter per bucket as soon as it is complete, in bucket order; ``land`` adds
     this rank's chunk of the mean into its shard (accumulating, as ``.grad`` does, until ``zero_grad``). With
     ``frees_gradients`` (stage 2), each ``.grad`` is dropped as its bucket goes out and the bucket's buffer gives
-    its memory back once the result has landed (``begin`` takes it again for the next backward).
+    its memory back once the result has landed (``BucketMemory``, an observer of the reducer, takes it again
+    when the next backward starts). Under join it answers ``engine/ddp_join.py``'s ``JoinAware``: a joined
+    rank still lands its chunk (``land_joined``), and the mean may be over the active ranks (``dividing_by``).
     ``PartlyHeld`` is the collective when ``ZeroOptimizer`` holds only some of DDP's parameters (another optimizer
     steps the rest): a bucket wholly held goes through ``ReduceScatterMean``, any other is all-reduced as under
     plain DDP, the rest's ``.grad`` set from the mean and the held pieces given their chunk of it.
@@ -33,9 +35,10 @@ from __future__ import annotations
 
 import torch
 
-from ..comm_hooks.byte_count import all_reduce
-from ..comm_hooks.shard_collectives import reduce_scatter
+from ..collectives.byte_count import all_reduce
+from ..collectives.shard_collectives import reduce_scatter
 from ..engine.bucket_collective import BucketCollective
+from ..engine.observers import ReducerObserver
 
 
 class Piece:
@@ -108,21 +111,12 @@ class ReduceScatterMean(BucketCollective):
     """Divided by N on the way in; one SUM reduce-scatter per bucket; this rank's chunk of the mean lands in
     its shard. ``frees_gradients`` (stage 2): no full-size gradient outlives the backward."""
 
-    claimed_by = "ZeroOptimizer"
+    name = "reduce-scatter"
 
     def __init__(self, shards: Shards, divisor: int, frees_gradients: bool):
         ### BEGIN SOLUTION
         self.shards, self.divisor, self.frees_gradients = shards, divisor, frees_gradients
         ### END SOLUTION
-
-    def begin(self, buckets) -> None:
-        if buckets is not self.shards.buckets:
-            raise RuntimeError("DDP's buckets changed after ZeroOptimizer cut its shards from them (a rebuild or "
-                               "load_layout_state): attach the optimizer after loading the layout")
-        for bucket in buckets:  # stage 2 freed them after the last backward; the views stay valid
-            storage = bucket.buffer.untyped_storage()
-            if storage.nbytes() == 0:
-                storage.resize_(bucket.nbytes)
 
     def issue(self, bucket, flat, is_last, group):
         ### BEGIN SOLUTION
@@ -147,7 +141,9 @@ class ReduceScatterMean(BucketCollective):
         if self.frees_gradients:
             bucket.buffer.untyped_storage().resize_(0)
 
-    def land_joined(self, bucket, result, counts) -> None:  # a joined rank still owns its chunk: it steps it
+    # join's protocol (engine/ddp_join.JoinAware): a joined rank still owns its chunk, and steps it; the mean
+    # may be over the ranks still active
+    def land_joined(self, bucket, result, counts) -> None:
         self.shards.land(bucket.index, result, counts)
 
     def dividing_by(self, n: int) -> ReduceScatterMean:
@@ -161,7 +157,7 @@ class PartlyHeld(BucketCollective):
     indices) is ``inner``'s (the reduce-scatter); any other is all-reduced, since the parameters another optimizer
     steps need the whole mean, as plain DDP gives it. Its held pieces take their chunk of that mean."""
 
-    claimed_by = "ZeroOptimizer"
+    name = "reduce-scatter or all-reduce"  # which, per bucket: whether ZeroOptimizer holds all of it
 
     def __init__(self, inner: ReduceScatterMean, shards: Shards, held: set[int]):
         self.inner, self.shards, self.held = inner, shards, held
@@ -169,9 +165,6 @@ class PartlyHeld(BucketCollective):
 
     def whole(self, bucket) -> bool:
         return all(i in self.held for i in bucket.indices)
-
-    def begin(self, buckets) -> None:
-        self.inner.begin(buckets)
 
     def issue(self, bucket, flat, is_last, group):
         return self.inner.issue(bucket, flat, is_last, group) if self.whole(bucket) else all_reduce(flat, group)
@@ -199,3 +192,21 @@ class PartlyHeld(BucketCollective):
     def dividing_by(self, n: int) -> PartlyHeld:
         return PartlyHeld(self.inner.dividing_by(n), self.shards, self.held)
 # --8<-- [end:partly_held]
+
+
+class BucketMemory(ReducerObserver):
+    """Stage 2 freed each bucket's memory after the last backward; a synced backward that starts takes it back
+    (the views into it stay valid), before any gradient is put in a bucket. The buckets must still be those
+    the shards were cut from."""
+
+    def __init__(self, reducer, shards: Shards):
+        self.reducer, self.shards = reducer, shards
+
+    def backward_started(self) -> None:
+        if self.reducer.buckets is not self.shards.buckets:
+            raise RuntimeError("DDP's buckets changed after ZeroOptimizer cut its shards from them (a rebuild or "
+                               "load_layout_state): attach the optimizer after loading the layout")
+        for bucket in self.shards.buckets:
+            storage = bucket.buffer.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(bucket.nbytes)

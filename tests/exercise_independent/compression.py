@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .byte_count import all_reduce
+from ..collectives.byte_count import all_reduce
 
 
 def _group(process_group):

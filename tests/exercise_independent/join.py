@@ -1,7 +1,7 @@
 """An independent correct solution of ``join``, kept to prove the spec accepts code unlike the reference.
 
-What differs from the reference: ``exchange_round`` is an ``all_gather`` of a three-flag row per rank
-(active, will sync, rebuild; a joined rank sends zeros) read column by column, not one all-reduce of a
+What differs from the reference: ``exchange_round`` is an ``all_gather`` of a row per rank
+(active, then the hooks' flags; a joined rank sends zeros) read column by column, not one all-reduce of a
 one-hot vector. ``Join.__exit__`` keeps its own bookkeeping: it counts the rounds it shadowed and knows
 it finished last when it shadowed none; once a round finds nobody active, the source of the final model
 is agreed by one more collective, an all-reduce MAX of the last finishers' ranks (as torch's ``Join``
@@ -33,8 +33,7 @@ class Round:
     """What one grad-enabled forward will do, agreed by every rank (active or joined)."""
 
     active: tuple[int, ...]  # group ranks that still have data in this iteration
-    will_sync: bool  # does the coming backward all-reduce gradients (not under no_sync)?
-    rebuild: bool  # is the one-time bucket rebuild due before this forward?
+    flags: dict[str, bool]  # each flag the hooks name (JoinHook.round_flags): set if any active rank set it
 
     @property
     def source(self) -> int:
@@ -43,22 +42,23 @@ class Round:
 
 
 @issued_as("join round")
-def exchange_round(world_size: int, rank: int, device, group, *, active: bool, will_sync: bool,
-                   rebuild: bool) -> Round:
-    """One all-reduce of ``[active one-hot..., will_sync, rebuild]``: a joined rank sends zeros."""
-    mine = torch.tensor([int(active), int(active and will_sync), int(active and rebuild)], dtype=torch.int64,
-                        device=device)
+def exchange_round(world_size: int, rank: int, device, group, *, active: bool, flags: dict[str, bool]) -> Round:
+    """One all-gather of each rank's ``[active, flags...]``: a joined rank sends zeros."""
+    names = list(flags)
+    mine = torch.tensor([int(active)] + [int(active and flags[n]) for n in names], dtype=torch.int64, device=device)
     rows = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(rows, mine, group=group)
-    table = torch.stack(rows).tolist()  # table[r] = rank r's (active, will_sync, rebuild)
+    table = torch.stack(rows).tolist()  # table[r] = rank r's (active, flags...)
     return Round(active=tuple(r for r, row in enumerate(table) if row[0]),
-                 will_sync=any(row[1] for row in table), rebuild=any(row[2] for row in table))
+                 flags={n: any(row[1 + i] for row in table) for i, n in enumerate(names)})
 # --8<-- [end:round]
 
 
 # --8<-- [start:interface]
 class JoinHook:
     """What a joined rank does for one ``Joinable`` (torch's ``JoinHook``); both methods do nothing here."""
+
+    round_flags: tuple[str, ...] = ()  # the flags this hook reads from each Round
 
     def main_hook(self, plan: Round) -> None:
         """One iteration of the active ranks: issue the collectives they issue, in their order, with zeros."""
@@ -100,6 +100,7 @@ class Join:
         self.throw = throw_on_early_termination  # raise everywhere as soon as one rank runs out
         self.kwargs = kwargs  # for each joinable's join_hook (DDP: divide_by_initial_world_size)
         self.hooks: dict[int, JoinHook] = {}  # id(joinable) -> its hook, while the context is open
+        self.flag_names: list[str] = []  # the hooks' round_flags, sorted: the round's columns after "active"
         self.group, self.device = self.joinables[0].join_process_group, self.joinables[0].join_device
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)  # our rank inside the joinables' group
@@ -110,6 +111,7 @@ class Join:
             if any(j.join_context is not None for j in self.joinables):
                 raise RuntimeError("a joinable is already in an open Join; do not nest them")
             self.hooks = {id(j): j.join_hook(**self.kwargs) for j in self.joinables}
+            self.flag_names = sorted({n for h in self.hooks.values() for n in h.round_flags})
             for j in self.joinables:
                 j.join_context = self
         return self
@@ -118,9 +120,11 @@ class Join:
         return self.hooks[id(joinable)]
 
     # --8<-- [start:notify]
-    def notify(self, will_sync: bool, rebuild: bool) -> Round:
+    def notify(self, **flags: bool) -> Round:
         """Called by an active rank's grad-enabled forward: take part in this iteration's round."""
-        plan = self._round(active=True, will_sync=will_sync, rebuild=rebuild)
+        if not set(flags) <= set(self.flag_names):
+            raise ValueError(f"Join.notify: no hook names the flags {sorted(set(flags) - set(self.flag_names))}")
+        plan = self._round(active=True, flags={n: bool(flags.get(n)) for n in self.flag_names})
         self.last_active = plan.active
         if self.throw and len(plan.active) < self.world_size:
             missing = sorted(set(range(self.world_size)) - set(plan.active))
@@ -129,8 +133,8 @@ class Join:
         return plan
     # --8<-- [end:notify]
 
-    def _round(self, **flags) -> Round:
-        return exchange_round(self.world_size, self.rank, self.device, self.group, **flags)
+    def _round(self, active: bool, flags: dict[str, bool]) -> Round:
+        return exchange_round(self.world_size, self.rank, self.device, self.group, active=active, flags=flags)
 
     # --8<-- [start:exit]
     def __exit__(self, exc_type, exc, tb):
@@ -142,7 +146,7 @@ class Join:
             return False
         shadowed = 0  # iterations of the active ranks this rank answered with zeros
         while True:
-            plan = self._round(active=False, will_sync=False, rebuild=False)
+            plan = self._round(active=False, flags={n: False for n in self.flag_names})
             if not plan.active:  # everyone is here: nothing left to shadow
                 break
             if self.throw:  # the active ranks raise in this same round (notify)

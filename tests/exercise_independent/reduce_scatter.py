@@ -83,21 +83,12 @@ class ReduceScatterMean(BucketCollective):
     """Divided by N on the way in; one SUM reduce-scatter per bucket; this rank's chunk of the mean lands in
     its shard. ``frees_gradients`` (stage 2): no full-size gradient outlives the backward."""
 
-    claimed_by = "ZeroOptimizer"
+    name = "reduce-scatter"
 
     def __init__(self, shards: Shards, divisor: int, frees_gradients: bool):
         self.shards = shards
         self.divisor = divisor  # the reducer divides each gradient by it on its way into the bucket: the mean
         self.frees_gradients = frees_gradients
-
-    def begin(self, buckets) -> None:
-        if buckets is not self.shards.buckets:
-            raise RuntimeError("DDP's buckets changed after ZeroOptimizer cut its shards from them (a rebuild or "
-                               "load_layout_state): attach the optimizer after loading the layout")
-        for bucket in buckets:  # stage 2 freed them after the last backward; the views stay valid
-            storage = bucket.buffer.untyped_storage()
-            if storage.nbytes() == 0:
-                storage.resize_(bucket.nbytes)
 
     def issue(self, bucket, flat, is_last, group):
         size = self.shards.chunk[bucket.index]

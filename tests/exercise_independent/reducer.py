@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..process_group.clean_exit import group_or_default
 from ..process_group.fingerprint import issued_as
-from . import stalls
+from . import waiting
 from .autograd_hooks import hook_once, on_backward_start
 from .bucket_collective import BucketCollective, collective_for
 from .bucketing import build_buckets, compute_bucket_assignment, rebuilt_assignment
@@ -69,7 +69,7 @@ class Reducer:
         self.observers = Observers(observers)  # told each named event (observers.py)
         # the seams: when a gradient is ready (readiness.py), and what a complete bucket's collective is
         self.readiness = readiness_for(self, find_unused_parameters, static_graph)
-        self.collective: BucketCollective = collective_for(None, None, self.world_size)  # register_comm_hook: CommHook
+        self.set_comm_hook(None, None)  # the default path; register_comm_hook: CommHook; ZeroOptimizer: its own
         self._install(list(reversed(each_sparse_alone(compute_bucket_assignment, self.params, self.size_limits,
                                                       self.sparse))))  # last layers first
         self.backward: Backward | None = None  # armed by a synced forward until its backward ends
@@ -90,8 +90,33 @@ class Reducer:
         self.buckets = build_buckets(self.params, self.names, assignment, self.sparse)
         self.where = {i: (b, k) for b, indices in enumerate(assignment) for k, i in enumerate(indices)}
 
+    def set_collective(self, collective: BucketCollective, owner: str | None = None) -> None:
+        """Every later synced backward's buckets go through ``collective``. ``owner``: who chose it, if not DDP
+        (ZeroOptimizer), so that a comm hook may not replace it; no comm hook is registered any more."""
+        self.collective = collective
+        self.collective_owner = owner  # None: DDP's own choice (the default path, or a registered hook)
+        self.registered_hook: tuple | None = None  # (state, hook) of a registered comm hook (DDP's copies keep it)
+
     def set_comm_hook(self, state, hook) -> None:  # hook None: the default path (divide by N, sum)
-        self.collective = collective_for(state, hook, self.world_size)
+        self.set_collective(collective_for(state, hook, self.world_size))
+        self.registered_hook = None if hook is None else (state, hook)
+
+    def set_bucket_assignment(self, assignment: list[list[int]], final: bool = True) -> None:
+        """Buckets of these parameter indices, in the order they are reduced, before the first synced forward.
+        ``final``: never rebuilt in arrival order (ZeroOptimizer cut its shards from them; FSDP's units)."""
+        if self.backward is not None:
+            raise RuntimeError("set_bucket_assignment while a synced backward is armed: give the buckets before "
+                               "the first forward")
+        if sorted(i for indices in assignment for i in indices) != list(range(len(self.params))):
+            raise ValueError(f"set_bucket_assignment: each of the {len(self.params)} parameter indices must be in "
+                             "exactly one bucket")
+        self._install([list(indices) for indices in assignment])
+        if final:
+            self.rebuilt, self.rebuild_due = True, False
+
+    def add_observer(self, observer) -> None:
+        """``observer`` (``observers.ReducerObserver``) is told every later named event, after those before it."""
+        self.observers.observers.append(observer)
 
     @property
     def waiting_for_backward(self) -> bool:  # armed by a synced forward whose backward has not started
@@ -171,7 +196,7 @@ class Reducer:
             self._communicate(state, self.buckets[b])
 
     def _communicate(self, state: Backward, bucket) -> None:
-        with issued_as(f"bucket {bucket.index} all-reduce"):
+        with issued_as(f"bucket {bucket.index} {state.collective.name}"):
             future = state.collective.issue(bucket, bucket.buffer, bucket.index == len(self.buckets) - 1, self.group)
         state.futures.append(future)
         self.observers.bucket_launched(bucket, future)
@@ -179,12 +204,12 @@ class Reducer:
     def _may_issue(self, state: Backward, wait: bool) -> bool:  # may the next collective go out now? (wait: until)
         previous = state.collective.call_order.wait_for(state.futures)
         if previous is not None and wait:
-            self._wait(f"all-reduce of bucket {state.next_bucket - 1}", previous)
+            self._wait(f"{state.collective.name} of bucket {state.next_bucket - 1}", previous)
         return previous is None or wait
     # --8<-- [end:launch]
 
     def _wait(self, what: str, future):
-        return stalls.wait(future, f"{what} in backward #{self.backwards}", self.group)
+        return waiting.wait(future, f"{what} in backward #{self.backwards}", self.group)
 
     # --8<-- [start:finalize]
     def _finalize(self) -> None:
@@ -206,7 +231,8 @@ class Reducer:
         finally:
             self.backward = None  # disarmed, whatever happened
         self.observers.backward_ended()
-        self.readiness.end(counts, state.expected, state.local_unused)  # a gradient missing: raise on every rank
+        # a gradient missing, or static graph's flags raised: raise on every rank
+        self.readiness.end(counts, state.expected, state.local_unused, state.counts.summed_flags())
         self.rebuild_due = not self.rebuilt and self.readiness.order_known  # once, at the next forward
 
     def _finish(self, state: Backward) -> tuple[list[torch.Tensor], list[int]]:
@@ -215,7 +241,7 @@ class Reducer:
         self._launch(state, wait=True)
         self._may_issue(state, wait=True)
         summed = state.counts.all_reduce(self.group, self.buckets[0].buffer.device)
-        results = [state.collective.result(b, self._wait(f"all-reduce of bucket {b.index}", f))
+        results = [state.collective.result(b, self._wait(f"{state.collective.name} of bucket {b.index}", f))
                    for b, f in zip(self.buckets, state.futures)]
         self._wait("used-counts all-reduce", summed)
         return results, state.counts.counts()

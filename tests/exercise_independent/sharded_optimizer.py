@@ -18,14 +18,16 @@ from ..engine.join import Joinable, JoinHook, Round
 from ..process_group.clean_exit import group_or_default
 
 
-class ZeROJoinHook(JoinHook):
+class ZeroRedundancyJoinHook(JoinHook):
     """A joined rank's share of one iteration: the step's broadcasts (torch: ``_ZeROJoinHook``)."""
+
+    round_flags = ("will_sync",)  # the active ranks' backward synced, so their step follows (DDP's flag, or ours)
 
     def __init__(self, zero: ZeroRedundancyOptimizer):
         self.zero = zero
 
     def main_hook(self, plan: Round) -> None:
-        if plan.will_sync:  # the active ranks' backward synced: their step (and its broadcasts) follows
+        if plan.flags["will_sync"]:  # the active ranks' backward synced: their step (and its broadcasts) follows
             self.zero.step()
 
 
@@ -94,7 +96,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
     def step(self, closure=None, **kwargs):
         """Step our shard with the local optimizer, then broadcast every parameter from its owner, rank by rank."""
         if self.join_context is not None and self.join_context.joinables[0] is self:
-            self.join_context.notify(will_sync=True, rebuild=False)  # alone in Join: this step is the iteration
+            self.join_context.notify(will_sync=True)  # alone in Join: this step is the iteration
         for outer, inner in zip(self.param_groups, self.optim.param_groups):
             for key, value in outer.items():
                 if key != "params":
@@ -167,8 +169,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
     # --8<-- [end:state_dict]
 
     # --8<-- [start:join]
-    def join_hook(self, **kwargs) -> ZeROJoinHook:
-        return ZeROJoinHook(self)
+    def join_hook(self, **kwargs) -> ZeroRedundancyJoinHook:
+        return ZeroRedundancyJoinHook(self)
 
     @property
     def join_device(self) -> torch.device:

@@ -74,16 +74,15 @@ class StaticGraph(Readiness):
     def before_finish(self, counts, mark_ready) -> None:
         """At the end of every synced backward, before the reducer marks the missing gradients unused. The
         first: ``mark_ready(i)`` for each parameter that got a gradient, so all buckets go out now. Every one:
-        append the flags to this rank's used ``counts``: per parameter, 1 if its firings differ from the first
-        backward's; then per rank, 1 in this rank's own slot if any does."""
+        set ``counts.flags`` (this policy's own vector, summed with the used counts): per parameter, 1 if its
+        firings differ from the first backward's; then per rank, 1 in this rank's own slot if any does."""
         if self.learning:
             for i in sorted(self.fired):  # every gradient that came goes out now
                 mark_ready(i)
         per_param = self._flags()
         per_rank = [0] * self.world_size
         per_rank[self.rank] = int(any(per_param))
-        counts.local.extend(per_param)
-        counts.local.extend(per_rank)
+        counts.flags = [*per_param, *per_rank]
 
     def _flags(self) -> list[int]:
         """1 for each parameter whose firings differ from the first backward's (all 0 while learning)."""
@@ -91,12 +90,12 @@ class StaticGraph(Readiness):
             return [0] * len(self.names)
         return [int(self.fired[i] != times) for i, times in enumerate(self.expected)]
 
-    def end(self, counts: list[int], expected: int = 0, local=()) -> None:
-        """After the all-reduce: ``counts`` is the used counts, then the summed ``flags``. Learns from the first
+    def end(self, counts: list[int], expected: int = 0, local=(), flags: list[int] = ()) -> None:
+        """After the all-reduce: ``flags`` summed over ranks, per parameter then per rank. Learns from the first
         backward (and counts it in ``ended``); raises ``self.changed(...)`` on every rank if a later one differs
         from it."""
         n = len(self.names)
-        per_param, per_rank = counts[-(n + self.world_size):-self.world_size], counts[-self.world_size:]
+        per_param, per_rank = flags[:-self.world_size], flags[-self.world_size:]
         self.ended += 1
         if self.learning:
             self.expected = [self.fired[i] for i in range(n)]

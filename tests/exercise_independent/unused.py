@@ -19,7 +19,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from ..comm_hooks.byte_count import record
+from ..collectives.byte_count import record
 from ..process_group.fingerprint import issued_as
 
 

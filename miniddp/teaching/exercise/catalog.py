@@ -18,7 +18,7 @@ class SpecItem:
 @dataclass(frozen=True)
 class Exercise:
     name: str
-    module: str  # the reference module, e.g. "miniddp.by_hand.sharding"
+    module: str  # the reference module, e.g. "miniddp.data.sharding"
     names: tuple[str, ...]  # what the learner writes (their solution blocks are blanked)
     required: tuple[str, ...]  # the public API the learner's file must define
     page: str  # the docs page that teaches it (docs/<page>)
@@ -45,7 +45,7 @@ _ZERO = "tests/test_zero.py::"
 _ZERO_SPEC = "tests/test_zero_exercise_spec.py::"
 
 EXERCISES: tuple[Exercise, ...] = (
-    Exercise("sharding", "miniddp.by_hand.sharding", ("ShardSampler",), ("ShardSampler",), "sharding.md", (
+    Exercise("sharding", "miniddp.data.sharding", ("ShardSampler",), ("ShardSampler",), "sharding.md", (
         SpecItem(_SHARDING + "test_same_indices_as_torch_distributed_sampler",
                  "yields index for index what torch's DistributedSampler yields"),
         SpecItem(_SHARDING + "test_edge_cases_match_torch",
@@ -199,7 +199,7 @@ EXERCISES: tuple[Exercise, ...] = (
         SpecItem(_JOIN + "test_throw_on_early_termination_raises_on_every_rank_at_the_same_iteration",
                  "throw_on_early_termination raises on every rank at the same iteration"),
     )),
-    Exercise("sharded_optimizer", "miniddp.zero.zero_optimizer", ("ZeroRedundancyOptimizer",),
+    Exercise("sharded_optimizer", "miniddp.zero.zero_redundancy_optimizer", ("ZeroRedundancyOptimizer",),
              ("ZeroRedundancyOptimizer",), "zero.md", (
         SpecItem(_ZERO + "test_matches_torch_zero_and_one_process",
                  "bitwise torch's ZeroRedundancyOptimizer, one process's AdamW to 1e-5; each rank keeps state only for "

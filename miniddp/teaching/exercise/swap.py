@@ -3,10 +3,12 @@
 ``use("<name>=<file>")`` loads ``file`` as the exercise's module (relative imports resolve as in
 the reference, names the file leaves out stay the reference's) and puts each of the exercise's
 names it defines wherever miniddp, or a test module of its spec, holds the reference object;
-``use("")`` puts the reference back. ``MINIDDP_EXERCISE=<name>=<file>`` in the environment does
-the same at ``import miniddp``, so spawned ranks and torchrun workers inherit it; the harness's
-forked ranks call ``use`` themselves (``run_rank_as``), so one pytest session can check several
-implementations one after another. ``read_source`` and ``defined_names`` look at a file without
+``use("")`` puts the reference back. Nothing swaps at ``import miniddp``: the check's pytest plugin
+(``report.py``) calls ``use`` before each case and makes the harness's ranks, forked or spawned, call it
+first (``run_rank_as``), so one pytest session can check several implementations one after another.
+``use`` also sets ``MINIDDP_EXERCISE=<name>=<file>`` for the processes this one starts; one started
+another way (a torchrun worker) runs the reference unless its entry point calls ``apply_from_env()``
+(no spec item starts one today). ``read_source`` and ``defined_names`` look at a file without
 running it: the ``check`` and ``list`` process never executes a line of the learner's (``bounds.py``).
 """
 
@@ -182,8 +184,9 @@ def current() -> str:
 
 
 def apply_from_env() -> None:
-    """Called at the end of ``import miniddp`` when ``MINIDDP_EXERCISE`` is set."""
-    use(os.environ[ENV])
+    """For the entry point of a process started fresh: ``use`` what ``MINIDDP_EXERCISE`` names (the
+    reference when it is unset). Explicit: importing miniddp never calls it."""
+    use(os.environ.get(ENV, ""))
 
 
 def run_rank_as(value: str, rank, world_size, fn, *args):

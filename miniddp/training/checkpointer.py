@@ -4,11 +4,11 @@ What
     ``Checkpointer`` saves and resumes for a ``Trainer``, which builds it with every object it saves
     or loads: the model, DDP (its bucket layout), the optimizer, the scheduler, the grad scaler, the
     comm hook, and the setup that defines the run. ``save(state, pending_loss)`` hands
-    ``checkpoint.save_checkpoint`` their states, the whole ``TrainerState`` with the setup and the
+    ``checkpoint_format.save_checkpoint`` their states, the whole ``TrainerState`` with the setup and the
     bucket layout in ``trainer_state.pt``, and per rank the loss not yet reported and the comm hook's
     state (PowerSGD's memories). ``resume(where, pending_loss)`` loads a checkpoint, or the newest one
     for ``latest``, checks the setup (``resume.compare_setups``), sets aside a later timeline
-    (``checkpoint_dirs.set_aside_later_results``), restores every piece in its place and returns the
+    (``checkpoint_timeline.set_aside_later_results``), restores every piece in its place and returns the
     saved ``TrainerState``, whole.
 
 Why
@@ -35,8 +35,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .checkpoint import CorruptCheckpointError, load_checkpoint_on_every_rank, load_states, save_checkpoint
-from .checkpoint_dirs import checkpoints, set_aside_later_results
+from .checkpoint_format import CorruptCheckpointError, load_checkpoint_on_every_rank, load_states, save_checkpoint
+from .checkpoint_timeline import checkpoints, set_aside_later_results
 from .every_rank import on_every_rank
 from .resume import apply_new_schedule, check_position, compare_setups, position_in_new_units, set_rng_state
 from .trainer_state import TrainerState

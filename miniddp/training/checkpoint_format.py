@@ -8,7 +8,7 @@ What
     half-written checkpoint under the real name. ``load_checkpoint`` refuses a checkpoint whose
     manifest is missing or does not match, and loads with ``torch.load(weights_only=True)``;
     ``load_checkpoint_on_every_rank`` makes one rank's failure every rank's error. Which
-    checkpoints exist, and which to keep, is ``checkpoint_dirs.py``'s.
+    checkpoints exist, and which to keep, is ``checkpoint_timeline.py``'s.
 
 Why
     Long jobs die: preemption, a node failure, a timeout. Resuming must give the run you would
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint_dirs import MANIFEST, checkpoint_dir, checkpoints, checkpoints_before, rotate_checkpoints
+from .checkpoint_timeline import MANIFEST, checkpoint_dir, checkpoints, checkpoints_before, rotate_checkpoints
 from .every_rank import on_every_rank
 from .output_dir import OutputDirError, atomic_save, atomic_write_text
 from .resume import rng_state

@@ -1,7 +1,7 @@
 """The checkpoint directories: the ``checkpoint-<step>/`` of one output_dir, oldest first (its timeline).
 
 What
-    Names on disk, never the bytes inside (``checkpoint.py`` owns those). ``checkpoints`` lists the
+    Names on disk, never the bytes inside (``checkpoint_format.py`` owns those). ``checkpoints`` lists the
     complete checkpoints (their ``manifest.json`` exists) by step; ``rotate_checkpoints`` keeps the
     newest ``save_total_limit``; ``checkpoints_before`` gives the older ones, newest first, for a
     resume of ``latest`` that finds the newest damaged; ``set_aside_later_results`` moves what came

@@ -14,13 +14,11 @@ What
 Why
     ZeRO's promise is that a reduce-scatter plus an all-gather cost what one all-reduce costs: (N-1)/N of the bucket
     each, per rank. gloo's own ``reduce_scatter`` sends an all-reduce's bytes (it reduces everything, then keeps a
-    chunk), its ``Work`` has no future, and it and gloo's ``all_gather`` are slower than its all-reduce on loopback;
-    the direct exchange sends (N-1)/N and each rank adds only its own chunk. Same bytes per rank as a ring; N-1
-    messages per rank at once rather than N-1 steps in sequence, so nothing waits on a previous step.
-    Segments: two ranks sending each other one 10 MB message at once over a 1 Gbit/s link (the net lab's) took
-    either about the line rate's time or about twice it, from one exchange to the next; cut into 512 KiB messages
-    they take the line rate's time every time, as gloo's ring all-reduce, which segments, does
-    (``benchmarks/zero_collectives.py``).
+    chunk) and its ``Work`` has no future; the direct exchange sends (N-1)/N and each rank adds only its own chunk.
+    Same bytes per rank as a ring; N-1 messages per rank at once rather than N-1 steps in sequence, so nothing waits
+    on a previous step. Segments: one large message each way at once may take twice the line rate's time on a slow
+    link, where messages cut as gloo's ring all-reduce cuts its own take the line rate's time every time (measured
+    in ``docs/performance.md``, "ZeRO against DDP", with ``benchmarks/zero_collectives.py``).
 
 How torch differs
     ``torch.distributed.reduce_scatter_tensor`` on gloo (``ProcessGroupGloo``) is what we avoid here; NCCL's ring

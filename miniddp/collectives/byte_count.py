@@ -1,9 +1,10 @@
-"""Counting the bytes comm hooks hand to collectives: ``with count_bytes() as sent: loss.backward()``.
+"""Counting the bytes handed to collectives: ``with count_bytes() as sent: loss.backward()``.
 
 What
     ``all_reduce(tensor, group)`` is ``dist.all_reduce(..., async_op=True)`` as a future, with the
     tensor's bytes added to every open ``count_bytes()`` block (``sent.total``, ``sent.by_op``,
-    ``sent.wire_bytes(world_size)``). miniddp's hooks and the reducer's used-counts issue through it.
+    ``sent.wire_bytes(world_size)``). miniddp's hooks, the reducer's bucket collective and used-counts and
+    ZeRO's gradient shards issue through it; ``shard_collectives.py`` records its own.
 
 Why
     Compression is about bytes on the wire: a benchmark or a test can read them per step.

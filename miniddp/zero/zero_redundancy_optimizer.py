@@ -1,4 +1,4 @@
-"""ZeRO stage 1: each rank keeps the optimizer state of its own shard of the parameters.
+"""ZeRO stage 1 as torch builds it: each rank steps its own shard, then every parameter is broadcast from its owner.
 
 What
     ``ZeroRedundancyOptimizer(params, optimizer_class, **defaults)`` wraps ``optimizer_class`` (``torch.optim.AdamW``,
@@ -32,14 +32,16 @@ from ..process_group.clean_exit import group_or_default
 from .zero_partition import partition_by_size
 
 
-class ZeROJoinHook(JoinHook):
+class ZeroRedundancyJoinHook(JoinHook):
     """A joined rank's share of one iteration: the step's broadcasts (torch: ``_ZeROJoinHook``)."""
+
+    round_flags = ("will_sync",)  # the active ranks' backward synced, so their step follows (DDP's flag, or ours)
 
     def __init__(self, zero: ZeroRedundancyOptimizer):
         self.zero = zero
 
     def main_hook(self, plan: Round) -> None:
-        if plan.will_sync:  # the active ranks' backward synced: their step (and its broadcasts) follows
+        if plan.flags["will_sync"]:  # the active ranks' backward synced: their step (and its broadcasts) follows
             self.zero.step()
 
 
@@ -98,7 +100,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
     def step(self, closure=None, **kwargs):
         """Step our shard with the local optimizer, then broadcast every parameter from its owner, rank by rank."""
         if self.join_context is not None and self.join_context.joinables[0] is self:
-            self.join_context.notify(will_sync=True, rebuild=False)  # alone in Join: this step is the iteration
+            self.join_context.notify(will_sync=True)  # alone in Join: this step is the iteration
         ### BEGIN SOLUTION
         self._copy_options(self.param_groups, self.optim.param_groups)
         loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure=closure, **kwargs)
@@ -168,8 +170,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
     # --8<-- [end:state_dict]
 
     # --8<-- [start:join]
-    def join_hook(self, **kwargs) -> ZeROJoinHook:
-        return ZeROJoinHook(self)
+    def join_hook(self, **kwargs) -> ZeroRedundancyJoinHook:
+        return ZeroRedundancyJoinHook(self)
 
     @property
     def join_device(self) -> torch.device:

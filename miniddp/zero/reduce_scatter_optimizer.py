@@ -23,8 +23,8 @@ Why
     Ultra-Scale Playbook, "ZeRO-1", "ZeRO-2"; Rajbhandari et al., arXiv 1910.02054).
 
 How torch and DeepSpeed differ
-    torch's ``ZeroRedundancyOptimizer`` (``zero_optimizer.py`` here) keeps DDP's all-reduce and broadcasts each
-    parameter from its owner: ZeRO-1 with an all-reduce's bytes *plus* a broadcast's. DeepSpeed's
+    torch's ``ZeroRedundancyOptimizer`` (``zero_redundancy_optimizer.py`` here) keeps DDP's all-reduce and
+    broadcasts each parameter from its owner: ZeRO-1 with an all-reduce's bytes *plus* a broadcast's. DeepSpeed's
     ``DeepSpeedZeroOptimizer`` (``stage_1_and_2.py``) is this class's model: flat partitions, a reduce-scatter,
     an all-gather, clipping on the shards; it refuses ``no_sync`` under stage 2. Only elementwise optimizers (SGD,
     Adam, AdamW, ...) give the same step on pieces as on whole tensors; one that reads a whole tensor (LAMB's
@@ -40,20 +40,22 @@ import functools
 import torch
 import torch.distributed as dist
 
-from ..comm_hooks.shard_collectives import all_gather_pieces, broadcast
+from ..collectives.shard_collectives import all_gather_pieces, broadcast
 from ..engine.join import Joinable, JoinHook, Round
-from .gradient_shards import PartlyHeld, ReduceScatterMean, Shards
+from .gradient_shards import BucketMemory, PartlyHeld, ReduceScatterMean, Shards
 from .zero_partition import partition_by_size
 
 
-class ZeroJoinHook(JoinHook):
+class ReduceScatterJoinHook(JoinHook):
     """A joined rank's share of an iteration: the step's all-gathers, when the active ranks' backward synced."""
+
+    round_flags = ("will_sync",)  # the active ranks' backward synced, so their step follows (DDP's flag, or ours)
 
     def __init__(self, zero: ZeroOptimizer):
         self.zero = zero
 
     def main_hook(self, plan: Round) -> None:
-        if plan.will_sync:  # its shard got the active ranks' mean (gradient_shards.land_joined): step, all-gather
+        if plan.flags["will_sync"]:  # its shard got the active ranks' mean (gradient_shards.land_joined): step, gather
             self.zero.step()
             self.zero.zero_grad()  # the active ranks zero theirs in their loop; a joined rank has none
 
@@ -72,8 +74,10 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         super().__init__(ddp.parameters() if params is None else params, defaults)
         self.stage, self.ddp = stage, ddp
         self.world_size, self.rank = reducer.world_size, dist.get_rank(reducer.group)
-        reducer.rebuilt, reducer.rebuild_due = True, False  # the shards are cut from these buckets: keep them
+        # the shards are cut from these buckets: the reducer keeps them, never rebuilding them in arrival order
+        reducer.set_bucket_assignment([b.indices for b in reducer.buckets], final=True)
         self.shards = Shards(reducer.buckets, self.rank, self.world_size)
+        reducer.add_observer(BucketMemory(reducer, self.shards))  # stage 2 freed them: memory back at each backward
         self.pieces_of = [self.shards.pieces if r == self.rank else Shards(reducer.buckets, r, self.world_size).pieces
                           for r in range(self.world_size)]  # pieces_of[rank][bucket]: whose elements are whose
         self.reduce_scatter = ReduceScatterMean(self.shards, self.world_size, frees_gradients=stage == 2)
@@ -101,8 +105,8 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
                       if id(p) not in bucketed and p.requires_grad}  # a frozen one is never stepped, never sent
         self.outside = [p for group in self.param_groups for p in group["params"] if id(p) in self.owner]
         everything = len(self.held) == sum(len(b.indices) for b in reducer.buckets)
-        reducer.collective = self.reduce_scatter if everything else \
-            PartlyHeld(self.reduce_scatter, self.shards, self.held)
+        reducer.set_collective(self.reduce_scatter if everything else
+                               PartlyHeld(self.reduce_scatter, self.shards, self.held), owner="ZeroOptimizer")
 
     def _local_groups(self) -> list[dict]:
         """Each param group's options with this rank's pieces of its parameters and the outside ones it owns."""
@@ -132,7 +136,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
     def step(self, closure=None):
         """Step this rank's pieces, then all-gather each bucket's parameters from the ranks' chunks."""
         if self.join_context is not None and self.join_context.joinables[0] is self:
-            self.join_context.notify(will_sync=True, rebuild=False)
+            self.join_context.notify(will_sync=True)
         for group, local in zip(self.param_groups, self.optim.param_groups):
             local.update({k: v for k, v in group.items() if k != "params"})  # lr as the scheduler set it
         loss = self.optim.step(closure)
@@ -226,8 +230,8 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
                                            for k, v in saved.items()}
     # --8<-- [end:state_dict]
 
-    def join_hook(self, **kwargs) -> ZeroJoinHook:
-        return ZeroJoinHook(self)
+    def join_hook(self, **kwargs) -> ReduceScatterJoinHook:
+        return ReduceScatterJoinHook(self)
 
     @property
     def join_device(self) -> torch.device:
@@ -245,7 +249,7 @@ def _check_attachable(ddp) -> None:
     if ddp._started:
         raise RuntimeError("ZeroOptimizer must attach before DDP's first forward (the shards are cut from the "
                            "buckets the first backward fills)")
-    if reducer.collective.registered() is not None or reducer.collective.claimed_by is not None:
+    if reducer.registered_hook is not None or reducer.collective_owner is not None:
         raise RuntimeError("ZeroOptimizer: this DDP already has a comm hook or a ZeroOptimizer; the bucket's "
                            "collective is ZeRO's reduce-scatter, so wrap the model again without the hook")
     if reducer.as_view:

@@ -23,6 +23,9 @@ from . import comm_hooks  # miniddp.comm_hooks.allreduce_hook, ..., PowerSGDStat
 from .engine.no_sync import accumulation_windows, no_sync, should_sync
 from .zero.reduce_scatter_optimizer import ZeroOptimizer
 from .zero.zero_redundancy_optimizer import ZeroRedundancyOptimizer
+from .fsdp.fully_shard import FSDPModule, fully_shard
+from .fsdp.mixed_precision import MixedPrecisionPolicy
+from .fsdp.state_dict import full_state_dict, load_full_state_dict
 from .data.sharding import ShardSampler
 from .by_hand.averaging import average_gradients, ring_all_reduce
 from .by_hand.bucketed import BucketedDataParallel
@@ -45,6 +48,8 @@ __all__ = [
     "DistEnv",
     "DistributedDataParallel",
     "EvalPrediction",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
     "NonFiniteLossError",
     "OutputDirError",
     "SetupChangedError",
@@ -63,7 +68,10 @@ __all__ = [
     "comm_hooks",
     "compute_bucket_assignment",
     "device_for_local_rank",
+    "full_state_dict",
+    "fully_shard",
     "init_distributed",
+    "load_full_state_dict",
     "monitored_barrier",
     "no_sync",
     "parse_slurm_nodelist",

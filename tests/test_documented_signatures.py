@@ -37,11 +37,6 @@ NOT_YET = {
     # the card shows torch 2.12's default; the constructor has torch 2.13's (None: True, deprecated for
     # forward_sync_buffers), as its whole signature must equal torch's (tests/test_torch_surface.py)
     ("miniddp.DistributedDataParallel", "broadcast_buffers"): "the card's default True is torch 2.12's; 2.13's is None",
-    # FSDP / ZeRO-3 with torch FSDP2's names: on the card, not built yet
-    ("miniddp.fully_shard", None): "FSDP / ZeRO-3: not built yet",
-    ("miniddp.MixedPrecisionPolicy", None): "FSDP / ZeRO-3: not built yet",
-    ("miniddp.full_state_dict", None): "FSDP / ZeRO-3: not built yet",
-    ("miniddp.load_full_state_dict", None): "FSDP / ZeRO-3: not built yet",
 }
 
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>```+|~~~+)(?P<info>[^\n]*)\n"

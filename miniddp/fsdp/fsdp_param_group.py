@@ -1,0 +1,139 @@
+"""``FSDPParamGroup``: one unit's parameters, gathered before it computes and reduce-scattered after its backward.
+
+What
+    A unit (one ``fully_shard`` call) owns ``FSDPParam``s. ``issue_gather`` posts one all-gather of its shards, cast
+    to ``param_dtype`` and laid end to end, and returns at once (a prefetch); ``unshard`` waits for it, copies each
+    parameter's rows into its full tensor and registers the full tensors under the module's names. ``reshard`` gives
+    their memory back: between steps the shards are registered again, mid-step (after the forward, before the
+    backward) a ``FreedParameter`` is. ``reduce_gradients`` runs once the unit's backward has left every gradient:
+    the full gradients, padded and cast to ``reduce_dtype``, laid out rank by rank, one reduce-scatter posted; this
+    rank's sum lands later (``land_gradients``), divided by the world size and cast to the shard's dtype, in (or
+    added to) ``shard.grad``. Without sync the gradients stay full, accumulated in ``reduce_dtype``.
+
+Why
+    Gather, compute, discard: only the unit that computes is ever whole. One collective per unit, not one per
+    parameter, keeps the count of messages at that of DDP's buckets (the unit is FSDP's bucket).
+
+How torch differs
+    FSDP2's ``FSDPParamGroup`` (``_fully_shard/_fsdp_param_group.py``, ``_fsdp_collectives.py``) does the same with
+    copy-in/copy-out kernels and streams, and fires the post-backward from an autograd function on the unit's
+    inputs; here a hook on each full tensor counts the gradients that arrived (the root's end-of-backward callback
+    takes the rest). torch divides by the world size around a sum as well where the backend has no average.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..collectives.shard_collectives import all_gather, reduce_scatter
+from .fsdp_param import FSDPParam
+from .mixed_precision import MixedPrecisionPolicy
+
+
+class FSDPParamGroup:
+    """A unit: its ``FSDPParam``s, their state (sharded, gathering, unsharded) and their pending collectives."""
+
+    def __init__(self, params: list[FSDPParam], name: str, group, world_size: int, policy: MixedPrecisionPolicy,
+                 reshard_after_forward: bool):
+        self.params, self.name, self.group, self.world_size = params, name, group, world_size
+        self.policy, self.reshard_after_forward = policy, reshard_after_forward
+        self.grad_params = [p for p in params if p.requires_grad]
+        self.offsets = _offsets([p.shard_numel for p in params])
+        self.grad_offsets = _offsets([p.shard_numel for p in self.grad_params])
+        self.state = "sharded"  # "gathering" (an all-gather in flight) or "unsharded"
+        self.pending_gather = None  # (work, flat output)
+        self.pending_reduce = None  # (future, flat output)
+        self.requires_gradient_sync = True
+        self.arrived: set[int] = set()  # ids of full tensors whose gradient this backward left
+        self.ran = self.reduced = self.in_backward = False  # this step: forward ran, gradients sent, backward began
+        for p in self.grad_params:
+            p.unsharded.register_post_accumulate_grad_hook(self._on_gradient)
+
+    # --8<-- [start:gather]
+    def issue_gather(self) -> None:
+        """Post the all-gather of every shard (cast to the compute dtype); a no-op if gathered or in flight."""
+        if self.state != "sharded" or not self.params:
+            return
+        dtype = self.params[0].unsharded.dtype
+        mine = torch.cat([p.shard.detach().reshape(-1).to(dtype) for p in self.params])
+        out = mine.new_empty(self.world_size * mine.numel())
+        self.pending_gather = (all_gather(out, mine, self.group), out)
+        self.state = "gathering"
+
+    def unshard(self) -> None:
+        """The full parameters, registered under the module's names (waiting for a prefetched gather)."""
+        self.issue_gather()
+        if self.state == "gathering":
+            work, out = self.pending_gather
+            work.wait()
+            rows = out.view(self.world_size, -1)
+            for p, start in zip(self.params, self.offsets):
+                p.fill(rows[:, start : start + p.shard_numel])
+            self.pending_gather, self.state = None, "unsharded"
+        for p in self.params:
+            p.register("unsharded")
+
+    def reshard(self, mid_step: bool = False) -> None:
+        """Free the full parameters; register the shards (between steps) or a ``FreedParameter`` (mid-step)."""
+        if self.state == "gathering":  # a prefetch nobody used: it is a collective, so it is finished
+            self.pending_gather[0].wait()
+            self.pending_gather = None
+        for p in self.params:
+            p.free()
+            p.register("freed" if mid_step else "shard")
+        self.state = "sharded"
+    # --8<-- [end:gather]
+
+    # --8<-- [start:reduce]
+    def _on_gradient(self, full: torch.Tensor) -> None:
+        self.arrived.add(id(full))
+        if len(self.arrived) == len(self.grad_params) and not self.reduced:
+            self.reduce_gradients()
+            self.reshard()
+
+    def reduce_gradients(self) -> None:
+        """Post the reduce-scatter of the unit's full gradients (zeros for one that got none), or, without sync,
+        keep them for the next backward."""
+        self.reduced = True
+        if not self.grad_params:
+            return
+        dtype = self.policy.gradient_dtype(self.grad_params[0].dtype)
+        if not self.requires_gradient_sync:
+            for p in self.grad_params:
+                p.keep_gradient(dtype)
+            return
+        n = self.world_size
+        columns = []
+        for p in self.grad_params:
+            padded = p.take_gradient(dtype)
+            if padded is None:
+                padded = torch.zeros(n * p.shard_rows, p.row_numel, dtype=dtype, device=p.shard.device)
+            columns.append(padded.view(n, -1))  # row r: rank r's piece of this parameter
+        send = torch.cat(columns, dim=1)  # row r: rank r's pieces, end to end
+        out = send.new_empty(send.shape[1])
+        self.pending_reduce = (reduce_scatter(out, send.view(-1), self.group), out)
+
+    def land_gradients(self) -> None:
+        """Wait for the reduce-scatter; this rank's sum over ranks, divided by N, into (or onto) ``shard.grad``."""
+        if self.pending_reduce is None:
+            return
+        future, out = self.pending_reduce
+        future.wait()
+        self.pending_reduce = None
+        out.div_(self.world_size)
+        for p, start in zip(self.grad_params, self.grad_offsets):
+            mean = out[start : start + p.shard_numel].view(p.shard_shape).to(p.shard.dtype)
+            p.shard.grad = mean if p.shard.grad is None else p.shard.grad.add_(mean)
+    # --8<-- [end:reduce]
+
+    def end_step(self) -> None:
+        self.arrived.clear()
+        self.ran = self.reduced = self.in_backward = False
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    starts, total = [], 0
+    for size in sizes:
+        starts.append(total)
+        total += size
+    return starts

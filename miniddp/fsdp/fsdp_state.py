@@ -1,0 +1,166 @@
+"""``FSDPState``: the hooks around each unit's forward and backward, the root's end of backward, and prefetch.
+
+What
+    Every unit's module gets a forward pre-hook (gather; cast floating inputs to ``param_dtype``) and a forward hook
+    (free the parameters unless ``reshard_after_forward=False`` or the unit is the root; hooks on the outputs'
+    gradients that gather again before the unit's backward). The root, the outermost unit, is found at the first
+    forward; it owns the step: at the first backward hook it queues a callback for the end of the backward, which
+    reduce-scatters what no hook did yet, waits for every reduce-scatter (so the optimizer may step as soon as
+    ``backward()`` returns) and registers the shards everywhere. Prefetch: the first step records the order in which
+    units run their forward and their backward, and checks it is the same on every rank; from then on each unit,
+    before it computes, posts the all-gather of the unit that comes next, so that it travels while this one
+    computes. A unit that runs out of the recorded order is refused.
+
+Why
+    Without prefetch every all-gather waits in line before its unit computes; with it only the first one does (the
+    Ultra-Scale Playbook, "ZeRO-3": "prefetching"). The same order on every rank is what keeps the ranks' collectives
+    paired.
+
+How torch differs
+    FSDP2 (``_fully_shard/_fsdp_state.py``) prefetches one unit ahead in the backward by the reverse of the forward
+    order, and in the forward only where ``set_modules_to_forward_prefetch`` says; it runs the end of the backward
+    through ``Variable._execution_engine.queue_callback`` as here, and it does not check that ranks agree.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .fsdp_param_group import FSDPParamGroup
+
+
+class UnitOrderError(RuntimeError):
+    """A unit ran where the recorded order has another, or ranks recorded different orders."""
+
+
+class FSDPState:
+    """One per ``fully_shard`` call: its unit, and, for the root, every unit below it and the recorded orders."""
+
+    def __init__(self, module: torch.nn.Module, unit: FSDPParamGroup):
+        self.module, self.unit = module, unit
+        self.root: FSDPState | None = None  # found at the first forward
+        self.units: list[FSDPState] = []  # the root's: every state in its tree, itself first
+        self.orders = {"forward": [], "backward": []}  # the root's: units in the order they ran
+        self.recorded = {"forward": False, "backward": False}
+        self.position = {"forward": 0, "backward": 0}
+        self.callback_queued = False
+        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+        module.register_forward_hook(self._post_forward, always_call=False)
+
+    # --8<-- [start:forward]
+    def _pre_forward(self, module, args, kwargs):
+        if self.root is None:
+            self._find_root()
+        root = self.root
+        if root is self and not self.unit.in_backward:
+            root.position["forward"] = 0
+        self.unit.ran = True
+        if not self.unit.in_backward:
+            root._advance("forward", self)  # posts the next unit's gather behind ours
+        self.unit.unshard()
+        dtype = self.unit.policy.param_dtype
+        if dtype is not None:
+            args, kwargs = tree_map(lambda x: _cast(x, dtype), (args, kwargs))
+        return args, kwargs
+
+    def _post_forward(self, module, args, output):
+        root, unit = self.root, self.unit
+        if unit.in_backward:  # recomputed by activation checkpointing: the backward is about to use them
+            return output
+        outputs = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
+        if not torch.is_grad_enabled() or not outputs:  # no backward will come: back to the shards
+            if root is self:
+                root._end_forward_only()
+            elif unit.reshard_after_forward:
+                unit.reshard()
+            return output
+        for t in outputs:
+            t.register_hook(self._pre_backward)
+        if unit.reshard_after_forward and root is not self:
+            unit.reshard(mid_step=True)
+        if root is self:
+            root.recorded["forward"] = True
+        return output
+    # --8<-- [end:forward]
+
+    # --8<-- [start:backward]
+    def _pre_backward(self, grad):
+        root, unit = self.root, self.unit
+        if not root.callback_queued:
+            root.callback_queued = True
+            root.position["backward"] = 0
+            torch.autograd.Variable._execution_engine.queue_callback(root._end_backward)
+        if not unit.in_backward:
+            unit.in_backward = True
+            root._advance("backward", self)
+            unit.unshard()
+        return grad
+
+    def _end_backward(self) -> None:
+        """The root, when the whole backward is done: every unit's gradients sent and landed, shards registered."""
+        ran = [s.unit for s in self.units if s.unit.ran]
+        for unit in ran:
+            if not unit.reduced:  # parameters no gradient reached (or the root's): their zeros are sent
+                unit.reduce_gradients()
+        for unit in ran:
+            unit.land_gradients()
+        for state in self.units:
+            state.unit.reshard()
+            state.unit.end_step()
+        self.callback_queued = False
+        if not self.recorded["backward"]:
+            self.recorded["backward"] = True
+            self._check_orders()
+    # --8<-- [end:backward]
+
+    # --8<-- [start:prefetch]
+    def _advance(self, phase: str, state: FSDPState) -> None:
+        """The root: ``state``'s unit runs now in ``phase``; record it (first step) or post the next one's gather."""
+        order, at = self.orders[phase], self.position[phase]
+        self.position[phase] = at + 1
+        if not self.recorded[phase]:
+            order.append(state)
+            return
+        if at >= len(order) or order[at] is not state:
+            expected = order[at].unit.name if at < len(order) else "nothing"
+            raise UnitOrderError(f"fully_shard: unit {state.unit.name!r} ran {phase} step {at + 1} where the first "
+                                 f"step ran {expected!r}: prefetch needs the same order of units every step")
+        if at + 1 < len(order):
+            order[at + 1].unit.issue_gather()
+    # --8<-- [end:prefetch]
+
+    def _end_forward_only(self) -> None:
+        for state in self.units:
+            state.unit.reshard()
+            state.unit.end_step()
+        self.recorded["forward"] = True
+
+    def _find_root(self) -> None:
+        """The first unit to run forward is the root: every unit in its module's tree is its."""
+        self.units = [m._fsdp_state for m in self.module.modules() if hasattr(m, "_fsdp_state")]
+        for state in self.units:
+            if state.root is not None and state is not self:
+                raise RuntimeError(f"fully_shard: {state.unit.name!r} already ran under another root: call the "
+                                   "outermost fully_shard module, every step")
+            state.root = self
+
+    def _check_orders(self) -> None:
+        """Once: the recorded orders, as numbers, must be equal on every rank (else prefetches would pair wrong)."""
+        index = {id(s): i for i, s in enumerate(self.units)}
+        code = [len(self.orders["forward"])] + [index[id(s)] for s in self.orders["forward"]]
+        code += [len(self.orders["backward"])] + [index[id(s)] for s in self.orders["backward"]]
+        mine = torch.tensor([len(code), hash(tuple(code)) % (1 << 62)], dtype=torch.int64)
+        group = self.unit.group
+        device = self.unit.params[0].shard.device if self.unit.params else torch.device("cpu")
+        everyone = [torch.zeros_like(mine, device=device) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(everyone, mine.to(device), group=group)
+        differ = [r for r, t in enumerate(everyone) if not torch.equal(t.cpu(), everyone[0].cpu())]
+        if differ:
+            raise UnitOrderError(f"fully_shard: ranks {differ} ran the units in another order than rank 0 in the "
+                                 "first step: every rank must run the same units in the same order")
+
+
+def _cast(x, dtype):
+    return x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x

@@ -25,8 +25,6 @@ How torch differs
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch import nn
 
@@ -58,7 +56,6 @@ class FSDPParam:
     def __init__(self, param: nn.Parameter, registrations: list, name: str, group, rank: int, world_size: int,
                  compute_dtype: torch.dtype):
         self.name, self.registrations = name, registrations  # [(module, attribute name)], ties included
-        self.original = weakref.ref(param)  # to know it again where an outer module still holds it (a tie)
         self.shape, self.dtype, self.requires_grad = param.shape, param.dtype, param.requires_grad
         self.rows = param.shape[0] if param.dim() else 1
         self.row_numel = param.numel() // self.rows if self.rows else int(torch.Size(param.shape[1:]).numel())

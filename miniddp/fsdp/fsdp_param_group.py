@@ -6,7 +6,8 @@ What
     parameter's rows into its full tensor and registers the full tensors under the module's names. ``reshard`` gives
     their memory back: between steps the shards are registered again, mid-step (after the forward, before the
     backward) a ``FreedParameter`` is. ``reduce_gradients`` runs once the unit's backward has left every gradient:
-    the full gradients, padded and cast to ``reduce_dtype``, laid out rank by rank, one reduce-scatter posted; this
+    the full gradients, padded and cast to ``reduce_dtype``, laid out rank by rank, one reduce-scatter posted (the
+    parameters are freed once the gradient of the unit's inputs is computed too: ``post_backward``); this
     rank's sum lands later (``land_gradients``), divided by the world size and cast to the shard's dtype, in (or
     added to) ``shard.grad``. Without sync the gradients stay full, accumulated in ``reduce_dtype``.
 
@@ -17,8 +18,9 @@ Why
 How torch differs
     FSDP2's ``FSDPParamGroup`` (``_fully_shard/_fsdp_param_group.py``, ``_fsdp_collectives.py``) does the same with
     copy-in/copy-out kernels and streams, and fires the post-backward from an autograd function on the unit's
-    inputs; here a hook on each full tensor counts the gradients that arrived (the root's end-of-backward callback
-    takes the rest). torch divides by the world size around a sum as well where the backend has no average.
+    inputs, as here for the reshard (after the unit's whole backward); the reduce-scatter here starts as soon as a
+    hook on each full tensor has counted every gradient in (the root's end-of-backward callback takes the rest).
+    torch divides by the world size around a sum as well where the backend has no average.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class FSDPParamGroup:
     def __init__(self, params: list[FSDPParam], name: str, group, world_size: int, policy: MixedPrecisionPolicy,
                  reshard_after_forward: bool):
         self.params, self.name, self.group, self.world_size = params, name, group, world_size
+        self.device = params[0].shard.device if params else torch.device("cpu")  # its collectives' tensors
         self.policy, self.reshard_after_forward = policy, reshard_after_forward
         self.grad_params = [p for p in params if p.requires_grad]
         self.offsets = _offsets([p.shard_numel for p in params])
@@ -46,6 +49,7 @@ class FSDPParamGroup:
         self.requires_gradient_sync = True
         self.arrived: set[int] = set()  # ids of full tensors whose gradient this backward left
         self.ran = self.reduced = self.in_backward = False  # this step: forward ran, gradients sent, backward began
+        self.inputs_done = False  # this step: the gradient of the unit's inputs is computed
         for p in self.grad_params:
             p.unsharded.register_post_accumulate_grad_hook(self._on_gradient)
 
@@ -87,8 +91,18 @@ class FSDPParamGroup:
     # --8<-- [start:reduce]
     def _on_gradient(self, full: torch.Tensor) -> None:
         self.arrived.add(id(full))
-        if len(self.arrived) == len(self.grad_params) and not self.reduced:
+        if len(self.arrived) == len(self.grad_params) and not self.reduced:  # every gradient is in: send them
             self.reduce_gradients()
+            self._reshard_after_backward()
+
+    def post_backward(self) -> None:
+        """The gradient of the unit's inputs is computed: nothing in the unit's backward reads its parameters any
+        more (a frozen one included, which no gradient count would wait for)."""
+        self.inputs_done = True
+        self._reshard_after_backward()
+
+    def _reshard_after_backward(self) -> None:
+        if self.reduced and self.inputs_done:
             self.reshard()
 
     def reduce_gradients(self) -> None:
@@ -128,7 +142,7 @@ class FSDPParamGroup:
 
     def end_step(self) -> None:
         self.arrived.clear()
-        self.ran = self.reduced = self.in_backward = False
+        self.ran = self.reduced = self.in_backward = self.inputs_done = False
 
 
 def _offsets(sizes: list[int]) -> list[int]:

@@ -1,7 +1,8 @@
 """``FSDPState``: the hooks around each unit's forward and backward, the root's end of backward, and prefetch.
 
 What
-    Every unit's module gets a forward pre-hook (gather; cast floating inputs to ``param_dtype``) and a forward hook
+    Every unit's module gets a forward pre-hook (gather; cast floating inputs to ``param_dtype``; pass the inputs
+    through an identity whose backward frees the unit: its whole backward is then done) and a forward hook
     (free the parameters unless ``reshard_after_forward=False`` or the unit is the root; hooks on the outputs'
     gradients that gather again before the unit's backward). The root, the outermost unit, is found at the first
     forward; it owns the step: at the first backward hook it queues a callback for the end of the backward, which
@@ -9,7 +10,8 @@ What
     ``backward()`` returns) and registers the shards everywhere. Prefetch: the first step records the order in which
     units run their forward and their backward, and checks it is the same on every rank; from then on each unit,
     before it computes, posts the all-gather of the unit that comes next, so that it travels while this one
-    computes. A unit that runs out of the recorded order is refused.
+    computes. A unit that runs out of the recorded order is refused; so is, in the first step, a unit that is not
+    the one every other rank runs at that point (a small all-gather per unit, once).
 
 Why
     Without prefetch every all-gather waits in line before its unit computes; with it only the first one does (the
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .fsdp_param_group import FSDPParamGroup
 
@@ -46,8 +48,10 @@ class FSDPState:
         self.recorded = {"forward": False, "backward": False}
         self.position = {"forward": 0, "backward": 0}
         self.callback_queued = False
-        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-        module.register_forward_hook(self._post_forward, always_call=False)
+        # looked up at each call, not bound now: a test (or an exercise) may swap the methods of the class
+        module.register_forward_pre_hook(lambda m, args, kwargs: self._pre_forward(m, args, kwargs), prepend=True,
+                                         with_kwargs=True)
+        module.register_forward_hook(lambda m, args, output: self._post_forward(m, args, output))
 
     # --8<-- [start:forward]
     def _pre_forward(self, module, args, kwargs):
@@ -63,6 +67,8 @@ class FSDPState:
         dtype = self.unit.policy.param_dtype
         if dtype is not None:
             args, kwargs = tree_map(lambda x: _cast(x, dtype), (args, kwargs))
+        if torch.is_grad_enabled() and not self.unit.in_backward:
+            args, kwargs = _after_their_backward(self.unit, (args, kwargs))
         return args, kwargs
 
     def _post_forward(self, module, args, output):
@@ -110,9 +116,7 @@ class FSDPState:
             state.unit.reshard()
             state.unit.end_step()
         self.callback_queued = False
-        if not self.recorded["backward"]:
-            self.recorded["backward"] = True
-            self._check_orders()
+        self.recorded["backward"] = True
     # --8<-- [end:backward]
 
     # --8<-- [start:prefetch]
@@ -121,6 +125,7 @@ class FSDPState:
         order, at = self.orders[phase], self.position[phase]
         self.position[phase] = at + 1
         if not self.recorded[phase]:
+            self._agree(phase, at, state)
             order.append(state)
             return
         if at >= len(order) or order[at] is not state:
@@ -138,28 +143,58 @@ class FSDPState:
         self.recorded["forward"] = True
 
     def _find_root(self) -> None:
-        """The first unit to run forward is the root: every unit in its module's tree is its."""
-        self.units = [m._fsdp_state for m in self.module.modules() if hasattr(m, "_fsdp_state")]
-        for state in self.units:
+        """The first unit to run forward is the root: every unit in its module's tree is its, named by its path."""
+        self.units = []
+        for path, module in self.module.named_modules():
+            state = getattr(module, "_fsdp_state", None)
+            if state is None:
+                continue
             if state.root is not None and state is not self:
                 raise RuntimeError(f"fully_shard: {state.unit.name!r} already ran under another root: call the "
                                    "outermost fully_shard module, every step")
             state.root = self
+            state.unit.name = path or "the root"
+            for p in state.unit.params:
+                p.name = f"{path}.{p.name}" if path else p.name
+            self.units.append(state)
 
-    def _check_orders(self) -> None:
-        """Once: the recorded orders, as numbers, must be equal on every rank (else prefetches would pair wrong)."""
-        index = {id(s): i for i, s in enumerate(self.units)}
-        code = [len(self.orders["forward"])] + [index[id(s)] for s in self.orders["forward"]]
-        code += [len(self.orders["backward"])] + [index[id(s)] for s in self.orders["backward"]]
-        mine = torch.tensor([len(code), hash(tuple(code)) % (1 << 62)], dtype=torch.int64)
+    def _agree(self, phase: str, at: int, state: FSDPState) -> None:
+        """First step only: every rank runs the same unit here (one small all-gather), before any of its collectives
+        could pair with another unit's on another rank."""
         group = self.unit.group
-        device = self.unit.params[0].shard.device if self.unit.params else torch.device("cpu")
-        everyone = [torch.zeros_like(mine, device=device) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(everyone, mine.to(device), group=group)
-        differ = [r for r, t in enumerate(everyone) if not torch.equal(t.cpu(), everyone[0].cpu())]
+        mine = torch.tensor([self.units.index(state)], dtype=torch.int64, device=self.unit.device)
+        everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(everyone, mine, group=group)
+        differ = [r for r, t in enumerate(everyone) if not torch.equal(t, everyone[0])]
         if differ:
-            raise UnitOrderError(f"fully_shard: ranks {differ} ran the units in another order than rank 0 in the "
-                                 "first step: every rank must run the same units in the same order")
+            names = [self.units[int(t)].unit.name for t in everyone]
+            raise UnitOrderError(f"fully_shard: in the first step's {phase}, unit {at + 1} is {names[0]!r} on rank 0 "
+                                 f"but another on ranks {differ} ({names}): every rank must run the same units in "
+                                 "the same order")
+
+
+class _PostBackward(torch.autograd.Function):
+    """The identity on a unit's inputs; its backward runs once their gradient is computed: the unit's is done."""
+
+    @staticmethod
+    def forward(ctx, unit, *tensors):
+        ctx.unit = unit
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.unit.post_backward()
+        return (None, *grads)
+
+
+def _after_their_backward(unit, inputs):
+    """``inputs`` with the tensors that require a gradient passed through ``_PostBackward``."""
+    flat, spec = tree_flatten(inputs)
+    where = [i for i, x in enumerate(flat) if torch.is_tensor(x) and x.requires_grad]
+    if where:
+        for i, out in zip(where, _PostBackward.apply(unit, *(flat[i] for i in where))):
+            flat[i] = out
+    return tree_unflatten(flat, spec)
 
 
 def _cast(x, dtype):

@@ -69,7 +69,9 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
                          "unit gathers one flat tensor: give mp_policy=MixedPrecisionPolicy(param_dtype=...) or "
                          "fully_shard the submodules of each dtype first")
     unit = FSDPParamGroup(params, _name(module), group, world_size, mp_policy, reshard_after_forward)
-    for p in params:
+    for p, (original, _, _) in zip(params, registrations.values()):
+        for tensor in (original, p.shard, p.unsharded):
+            tensor._fsdp_unit = unit.name  # a later fully_shard that finds it (a tie) refuses it
         p.register("shard")
     module._fsdp_state = FSDPState(module, unit)
     module.__class__ = _fsdp_class(type(module))
@@ -78,11 +80,10 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True,
 
 
 def _registrations(module: nn.Module) -> dict:
-    """The parameters this unit takes: under ``module``, outside every inner unit; each with all its names."""
-    inner = [m for m in module.modules() if m is not module and isinstance(m, FSDPModule)]
-    held = {id(t): m for m in inner for p in m._fsdp_state.unit.params
-            for t in (p.shard, p.unsharded, p.original()) if t is not None}
-    inside = {id(sub) for m in inner for sub in m.modules()}
+    """The parameters this unit takes: under ``module``, outside every inner unit; each with all its names. One
+    that another unit holds already (inner or not: a tie) is refused."""
+    inside = {id(sub) for m in module.modules() if m is not module and isinstance(m, FSDPModule)
+              for sub in m.modules()}
     found: dict[int, tuple] = {}
     for prefix, sub in module.named_modules(remove_duplicate=False):
         if id(sub) in inside:
@@ -91,10 +92,11 @@ def _registrations(module: nn.Module) -> dict:
             if param is None:
                 continue
             name = f"{prefix}.{attribute}" if prefix else attribute
-            if id(param) in held:
+            holder = getattr(param, "_fsdp_unit", None)
+            if holder is not None:
                 raise ValueError(f"fully_shard({_name(module)}): {name} is the same parameter as one that the unit "
-                                 f"{_name(held[id(param)])} holds (a tied weight): tied weights must be in one unit; "
-                                 "fully_shard their common parent only")
+                                 f"{holder!r} holds (a tied weight): tied weights must be in one unit; fully_shard "
+                                 "their common parent only")
             entry = found.setdefault(id(param), (param, name, []))
             if (sub, attribute) not in entry[2]:
                 entry[2].append((sub, attribute))

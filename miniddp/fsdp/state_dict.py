@@ -66,11 +66,11 @@ def my_piece(p, full: torch.Tensor) -> torch.Tensor:
 # --8<-- [start:full]
 def full_state_dict(module: nn.Module) -> dict:
     """The full tensors of ``module``'s state, under its own names, on every rank (a collective)."""
-    state = module.state_dict()
+    state, keys = module.state_dict(), _keys(module)
     for unit in units_of(module):
         for p in unit.params:
             full = gather_full(p, p.shard)
-            for key in _keys(module)[id(p)]:
+            for key in keys[id(p)]:
                 state[key] = full
     return state
 
@@ -98,7 +98,8 @@ def load_full_state_dict(module: nn.Module, state_dict: dict) -> None:
 
 def full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """``optimizer.state_dict()`` with each parameter named and each elementwise state full (a collective)."""
-    found = {id(p.shard): (p, keys[0]) for keys in [_keys(module)] for u in units_of(module) for p in u.params}
+    keys = _keys(module)
+    found = {id(p.shard): (p, keys[id(p)][0]) for u in units_of(module) for p in u.params}
     saved = optimizer.state_dict()
     ordered = [param for group in optimizer.param_groups for param in group["params"]]
     names, state = [], {}
@@ -120,8 +121,8 @@ def full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimize
 
 def load_full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
     """Each rank keeps its piece of every elementwise state; the options as saved (any world size)."""
-    found = {keys[0]: p for keys_of in [_keys(module)] for u in units_of(module) for p in u.params
-             for keys in [keys_of[id(p)]]}
+    keys = _keys(module)
+    found = {keys[id(p)][0]: p for u in units_of(module) for p in u.params}
     index = {name: i for i, name in enumerate(n for g in state_dict["param_groups"] for n in g["params"])}
     unknown = sorted(set(index) - set(found))
     if unknown:

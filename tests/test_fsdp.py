@@ -15,6 +15,7 @@ parameter registered as a shard. One multi-rank session per world size runs ever
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 import miniddp
 from miniddp.fsdp import (
@@ -62,6 +63,34 @@ class ReadsChild(Net):
 
     def forward(self, tokens, order=(0, 1, 2)):
         return super().forward(tokens) + self.blocks[0].out.bias.sum()
+
+
+class Checkpointed(Net):
+    """Each block recomputed in the backward (activation checkpointing), reentrant or not."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        self.reentrant = reentrant
+
+    def forward(self, tokens, order=(0, 1, 2)):
+        h = self.emb(tokens)
+        for i in order:
+            h = checkpoint(self.blocks[i], h, use_reentrant=self.reentrant)
+        return self.head(self.norm(h)).square().mean()
+
+
+def _checkpointed(rank, world) -> dict:
+    gaps = {}
+    one = Net()
+    _train(one, _optimizer("adamw", one.parameters()), world, None)
+    for reentrant in (False, True):
+        model = _ours(Checkpointed(reentrant))
+        _train(model, _optimizer("adamw", model.parameters()), rank, world)
+        gaps[reentrant] = _gap(miniddp.full_state_dict(model), one.state_dict())
+    with torch.no_grad():  # an evaluation forward: gathered, then back to the shards
+        gaps["eval"] = (model(_tokens(9, 0, 0)) - one(_tokens(9, 0, 0))).abs().item()
+    gaps["eval, shards again"] = tuple(model.blocks[0].fc.weight.shape)
+    return gaps
 
 
 def _wrap(model, shard, **kw):
@@ -281,6 +310,7 @@ def _session(rank, world, path):
         results["sgd"] = _compare(rank, world, optim="sgd")
     else:
         results["bf16"] = _compare(rank, world, mp=(torch.bfloat16, torch.float32))
+        results["checkpointing"] = _checkpointed(rank, world)
     model = _ours(Net())
     _train(model, _optimizer("adamw", model.parameters()), rank, world, steps=1)
     units = [m._fsdp_state.unit for m in model.modules() if isinstance(m, miniddp.FSDPModule)]
@@ -314,6 +344,13 @@ def test_sgd_with_momentum_at_three_ranks(sessions):
 def test_a_bf16_policy_matches_torchs_bf16_and_one_process_loosely(sessions):
     for to_torch, to_one in (result["bf16"] for result in sessions[2]):
         assert to_torch < TOL and 0 < to_one < TOL_BF16  # bf16 compute is not fp32's
+
+
+def test_activation_checkpointing_reentrant_or_not_and_an_evaluation_forward(sessions):
+    for result in sessions[2]:
+        gaps = result["checkpointing"]
+        assert gaps[False] < TOL and gaps[True] < TOL and gaps["eval"] < TOL
+        assert gaps["eval, shards again"] == (-(-(D + 3) // 2), D)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -57,11 +57,11 @@ class FSDPState:
     def _pre_forward(self, module, args, kwargs):
         if self.root is None:
             self._find_root()
-        root = self.root
-        if root is self and not self.unit.in_backward:
+        root, recompute = self.root, _in_backward()  # recompute: activation checkpointing runs it again
+        if root is self and not recompute:
             root.position["forward"] = 0
         self.unit.ran = True
-        if not self.unit.in_backward:
+        if not recompute:
             root._advance("forward", self)  # posts the next unit's gather behind ours
         self.unit.unshard()
         dtype = self.unit.policy.param_dtype
@@ -75,6 +75,7 @@ class FSDPState:
         root, unit = self.root, self.unit
         if unit.in_backward:  # recomputed by activation checkpointing: the backward is about to use them
             return output
+        recompute = _in_backward()  # reentrant checkpointing: its backward of these outputs follows at once
         outputs = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
         if not torch.is_grad_enabled() or not outputs:  # no backward will come: back to the shards
             if root is self:
@@ -84,7 +85,7 @@ class FSDPState:
             return output
         for t in outputs:
             t.register_hook(self._pre_backward)
-        if unit.reshard_after_forward and root is not self:
+        if unit.reshard_after_forward and root is not self and not recompute:
             unit.reshard(mid_step=True)
         if root is self:
             root.recorded["forward"] = True
@@ -195,6 +196,11 @@ def _after_their_backward(unit, inputs):
         for i, out in zip(where, _PostBackward.apply(unit, *(flat[i] for i in where))):
             flat[i] = out
     return tree_unflatten(flat, spec)
+
+
+def _in_backward() -> bool:
+    """Inside a backward (a hook, or a forward that checkpointing recomputes there)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _cast(x, dtype):

@@ -95,10 +95,13 @@ class FSDPParam:
         self.unsharded.data = self.unsharded.data.new_empty(0)
         self.allocated = False
 
-    def fill(self, padded: torch.Tensor) -> None:
-        """The gathered rows become the full tensor's data (``.data``: no version bump, autograd's saved
-        reference sees them)."""
-        self.unsharded.data = self.unpad(padded).to(self.unsharded.dtype, copy=True)
+    def fill(self, pieces: torch.Tensor) -> None:
+        """The gathered pieces (``pieces[r]``: rank r's shard, flat) become the full tensor's data, copied once
+        (``.data``: no version bump, and autograd's saved reference sees them)."""
+        full = torch.empty(self.shape, dtype=self.unsharded.dtype, device=self.unsharded.device)
+        for r, (start, stop) in enumerate(self.spans()):
+            full.view(-1)[start:stop].copy_(pieces[r, : stop - start])
+        self.unsharded.data = full
         self.allocated = True
     # --8<-- [end:storage]
 
@@ -108,16 +111,25 @@ class FSDPParam:
         for module, attribute in self.registrations:
             module._parameters[attribute] = tensor
 
-    def take_gradient(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """The full gradient this backward left (plus what backward passes without sync accumulated), in
-        ``dtype``, padded; the full tensor's ``.grad`` is dropped. None when there is none."""
+    def spans(self) -> list[tuple[int, int]]:
+        """Rank r's piece as (start, stop) in the flat full tensor; the rest of its shard is padding."""
+        per, total = self.shard_numel, self.rows * self.row_numel
+        return [(min(r * per, total), min((r + 1) * per, total)) for r in range(self.world_size)]
+
+    def write_gradient(self, pieces: torch.Tensor) -> None:
+        """This backward's full gradient (plus what passes without sync kept) into ``pieces`` (``pieces[r]``: rank
+        r's piece, in the send buffer's dtype), zeros where padded or where no gradient came; ``.grad`` dropped."""
         grad, self.unsharded.grad = self.unsharded.grad, None
-        if grad is not None:
-            grad = grad.to(dtype)
-        if self.accumulated is not None:
-            grad = self.accumulated if grad is None else grad.add_(self.accumulated)
-            self.accumulated = None
-        return None if grad is None else self.pad(grad)
+        kept, self.accumulated = self.accumulated, None
+        for r, (start, stop) in enumerate(self.spans()):
+            row = pieces[r]
+            row[stop - start :].zero_()
+            if grad is None and kept is None:
+                row[: stop - start].zero_()
+                continue
+            row[: stop - start].copy_((grad if grad is not None else kept).reshape(-1)[start:stop])
+            if grad is not None and kept is not None:
+                row[: stop - start].add_(kept.reshape(-1)[start:stop])
 
     def keep_gradient(self, dtype: torch.dtype) -> None:
         """No sync this backward: move ``.grad`` into the accumulator (in the reduce dtype), freeing ``.grad``."""

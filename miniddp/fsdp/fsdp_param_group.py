@@ -116,15 +116,11 @@ class FSDPParamGroup:
             for p in self.grad_params:
                 p.keep_gradient(dtype)
             return
-        n = self.world_size
-        columns = []
-        for p in self.grad_params:
-            padded = p.take_gradient(dtype)
-            if padded is None:
-                padded = torch.zeros(n * p.shard_rows, p.row_numel, dtype=dtype, device=p.shard.device)
-            columns.append(padded.view(n, -1))  # row r: rank r's piece of this parameter
-        send = torch.cat(columns, dim=1)  # row r: rank r's pieces, end to end
-        out = send.new_empty(send.shape[1])
+        total = sum(p.shard_numel for p in self.grad_params)
+        send = torch.empty(self.world_size, total, dtype=dtype, device=self.device)  # row r: rank r's pieces
+        for p, start in zip(self.grad_params, self.grad_offsets):
+            p.write_gradient(send[:, start : start + p.shard_numel])
+        out = send.new_empty(total)
         self.pending_reduce = (reduce_scatter(out, send.view(-1), self.group), out)
 
     def land_gradients(self) -> None:

@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import miniddp
+from miniddp.fsdp import clip_grad_norm_ as fsdp_clip
 from miniddp.fsdp import (
     fsdp_param,
     fsdp_param_group,
@@ -91,6 +92,24 @@ def _checkpointed(rank, world) -> dict:
         gaps["eval"] = (model(_tokens(9, 0, 0)) - one(_tokens(9, 0, 0))).abs().item()
     gaps["eval, shards again"] = tuple(model.blocks[0].fc.weight.shape)
     return gaps
+
+
+def _clipped(rank, world) -> dict:
+    """One step clipped to a small norm: miniddp's clip over the shards, torch's over the shards, one process."""
+    out = {}
+    one = Net()
+    sum(one(_tokens(0, 0, r)) for r in range(world)).div(world).backward()
+    out["one"] = torch.nn.utils.clip_grad_norm_(one.parameters(), 0.01).item()
+    for name, clip in (("ours", fsdp_clip), ("torch's on shards", torch.nn.utils.clip_grad_norm_)):
+        model = _ours(Net())
+        optimizer = _optimizer("sgd", model.parameters())
+        model(_tokens(0, 0, rank)).backward()
+        out[name] = clip(model if clip is fsdp_clip else model.parameters(), 0.01).item()
+        optimizer.step()
+        out[name + ", weights"] = miniddp.full_state_dict(model)
+    _optimizer("sgd", one.parameters()).step()
+    out["one, weights"] = one.state_dict()
+    return out
 
 
 def _wrap(model, shard, **kw):
@@ -305,7 +324,8 @@ def _session(rank, world, path):
                                                     _no_gather_before_backward),
                "prefetch": _prefetch_hits(rank, world),
                "wrong prefetch": _prefetch_hits(rank, world, _prefetch_this_unit),
-               "refused": _refusals(rank, world), "state dicts": _state_dicts(rank, world, path)}
+               "refused": _refusals(rank, world), "clip": _clipped(rank, world),
+               "state dicts": _state_dicts(rank, world, path)}
     if world == 3:
         results["sgd"] = _compare(rank, world, optim="sgd")
     else:
@@ -397,3 +417,12 @@ def test_a_full_state_dict_saved_at_two_ranks_loads_at_three_and_trains_on(sessi
     for result in sessions[3]:
         assert result["state dicts"]["loaded"] == 0
         assert result["state dicts"]["resumed vs one"] < TOL
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_clipping_over_the_shards_is_the_whole_models_and_torchs_own_on_shards_is_not(sessions, world):
+    for result in sessions[world]:
+        clip = result["clip"]
+        assert abs(clip["ours"] - clip["one"]) < 1e-5 * clip["one"]
+        assert _gap(clip["ours, weights"], clip["one, weights"]) < TOL
+        assert abs(clip["torch's on shards"] - clip["one"]) > 1e-3 * clip["one"]  # this rank's shards' norm only

@@ -9,7 +9,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 CONCEPT_PAGES = ["backend-selection", "timeouts", "sharding", "averaging", "bucketing", "no-sync", "buffers",
                  "unused-parameters", "ddp", "trainer", "launching", "testing", "join", "desync", "failures",
                  "your-script", "your-framework",
-                 "comm-hooks", "costmodel", "start-here", "beyond-ddp", "zero"]
+                 "comm-hooks", "costmodel", "start-here", "beyond-ddp", "zero", "fsdp"]
 
 
 @pytest.mark.parametrize("page", CONCEPT_PAGES)

@@ -128,6 +128,7 @@ PATH = [
     ("performance.md", "is a Python reducer as fast as torch's C++ one? measured"),
     ("costmodel.md", "why a step takes as long as it does, and which bucket size to pick"),
     ("zero.md", "when the model fits but its copies do not: sharding the optimizer state and gradients"),
+    ("fsdp.md", "when the model itself no longer fits: sharding the parameters, gathered one unit at a time"),
     ("failures.md", "the ways DDP jobs hang or silently drift, one by one"),
     ("join.md", "the first of them in depth: ranks with uneven inputs"),
     ("desync.md", "collectives that pair up wrong, and how to name the line that did it"),
@@ -183,6 +184,8 @@ API_OF = {
                 "miniddp.zero.deepspeed_optim",
                 "miniddp.collectives.shard_collectives"],
     "testing.md": ["miniddp.launching.spawn", "miniddp.testing"],
+    "fsdp.md": ["miniddp.fsdp.fully_shard", "miniddp.fsdp.mixed_precision", "miniddp.fsdp.fsdp_param",
+                "miniddp.fsdp.fsdp_param_group", "miniddp.fsdp.fsdp_state", "miniddp.fsdp.state_dict"],
 }
 
 # ---------------------------------------------------------------------------

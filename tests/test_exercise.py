@@ -32,6 +32,10 @@ D, U, J = "tests/test_ddp.py::", "tests/test_unused.py::", "tests/test_join.py::
 G = "tests/test_static_graph.py::"
 K = "tests/test_bucketed.py::"
 Z, R = "tests/test_zero.py::", "tests/test_zero_exercise_spec.py::"
+FS = "tests/test_fsdp_exercise_spec.py::"
+FS_GRAD = FS + "test_each_shard_holds_its_rows_of_the_mean_gradient_and_trains_as_torch_and_one_process"
+FS_PREFETCH = FS + "test_prefetch_posts_the_next_units_gather_before_this_unit_computes"
+FS_MEMORY = FS + "test_only_the_computing_unit_is_whole_and_the_blocks_are_freed_after_the_forward"
 
 # exercise -> (what the learner got wrong, the reference text, what they wrote, the items it must fail)
 MISTAKES = {
@@ -255,6 +259,25 @@ MISTAKES = {
          "        future = whole.get_future().then(lambda f: f.value()[0][lo:hi].clone())\n",
          [R + "test_a_backward_reduce_scatters_each_bucket_and_all_reduces_no_gradient"]),
     ],
+    "fsdp": [
+        ("no mean: the sum over ranks lands in the shards' .grad", "        out.div_(self.world_size)\n", "",
+         [FS_GRAD]),
+        ("reshard frees but keeps the state 'unsharded': the backward's unshard gathers nothing again",
+         '            p.register("freed" if mid_step else "shard")\n        self.state = "sharded"\n',
+         '            p.register("freed" if mid_step else "shard")\n', [FS_GRAD]),
+        ("prefetches the unit about to compute, not the next one: nothing travels ahead",
+         "order[at + 1].issue_gather()", "order[at].issue_gather()", [FS_PREFETCH]),
+        ("prefetch waits for the next unit's gather (unshard): nothing overlaps, two blocks whole",
+         "order[at + 1].issue_gather()", "order[at + 1].unshard()", [FS_PREFETCH, FS_MEMORY]),
+        ("reshard registers the placeholder but never frees: every block stays whole after its forward",
+         "            p.free()\n", "", [FS_MEMORY]),
+        ("mid-step reshard registers the shard: a parent reading the parameter silently gets a shard",
+         'p.register("freed" if mid_step else "shard")', 'p.register("shard")', [FS_MEMORY]),
+        ("the gradients laid out parameter by parameter, not rank by rank: a rank receives other parameters' rows",
+         "p.write_gradient(send[:, start : start + p.shard_numel])",
+         "p.write_gradient(send.view(-1)[self.world_size * start : self.world_size * (start + p.shard_numel)]"
+         ".view(self.world_size, -1))", [FS_GRAD]),
+    ],
 }
 
 
@@ -276,7 +299,7 @@ def _write(tmp_path, name, text) -> Path:
 def test_every_exercise_has_three_mistakes_and_its_spec_items_exist():
     assert [e.name for e in EXERCISES] == ["sharding", "averaging", "ring", "bucketed", "bucketing", "no_sync",
                                            "buffers", "compression", "powersgd", "reducer", "unused", "static_graph",
-                                           "join", "sharded_optimizer", "reduce_scatter"]
+                                           "join", "sharded_optimizer", "reduce_scatter", "fsdp"]
     for e in EXERCISES:
         assert len(MISTAKES[e.name]) >= 3, e.name
         assert _independent(e.name), f"no correct solution written apart from the reference: {INDEPENDENT}/{e.name}.py"

@@ -58,14 +58,17 @@ class FSDPParamGroup:
         """Post the all-gather of every shard (cast to the compute dtype); a no-op if gathered or in flight."""
         if self.state != "sharded" or not self.params:
             return
+        ### BEGIN SOLUTION
         dtype = self.params[0].unsharded.dtype
         mine = torch.cat([p.shard.detach().reshape(-1).to(dtype) for p in self.params])
         out = mine.new_empty(self.world_size * mine.numel())
         self.pending_gather = (all_gather(out, mine, self.group), out)
         self.state = "gathering"
+        ### END SOLUTION
 
     def unshard(self) -> None:
         """The full parameters, registered under the module's names (waiting for a prefetched gather)."""
+        ### BEGIN SOLUTION
         self.issue_gather()
         if self.state == "gathering":
             work, out = self.pending_gather
@@ -76,9 +79,11 @@ class FSDPParamGroup:
             self.pending_gather, self.state = None, "unsharded"
         for p in self.params:
             p.register("unsharded")
+        ### END SOLUTION
 
     def reshard(self, mid_step: bool = False) -> None:
         """Free the full parameters; register the shards (between steps) or a ``FreedParameter`` (mid-step)."""
+        ### BEGIN SOLUTION
         if self.state == "gathering":  # a prefetch nobody used: it is a collective, so it is finished
             self.pending_gather[0].wait()
             self.pending_gather = None
@@ -86,6 +91,7 @@ class FSDPParamGroup:
             p.free()
             p.register("freed" if mid_step else "shard")
         self.state = "sharded"
+        ### END SOLUTION
     # --8<-- [end:gather]
 
     # --8<-- [start:reduce]
@@ -109,6 +115,7 @@ class FSDPParamGroup:
         """Post the reduce-scatter of the unit's full gradients (zeros for one that got none), or, without sync,
         keep them for the next backward."""
         self.reduced = True
+        ### BEGIN SOLUTION
         if not self.grad_params:
             return
         dtype = self.policy.gradient_dtype(self.grad_params[0].dtype)
@@ -122,9 +129,11 @@ class FSDPParamGroup:
             p.write_gradient(send[:, start : start + p.shard_numel])
         out = send.new_empty(total)
         self.pending_reduce = (reduce_scatter(out, send.view(-1), self.group), out)
+        ### END SOLUTION
 
     def land_gradients(self) -> None:
         """Wait for the reduce-scatter; this rank's sum over ranks, divided by N, into (or onto) ``shard.grad``."""
+        ### BEGIN SOLUTION
         if self.pending_reduce is None:
             return
         future, out = self.pending_reduce
@@ -134,11 +143,23 @@ class FSDPParamGroup:
         for p, start in zip(self.grad_params, self.grad_offsets):
             mean = out[start : start + p.shard_numel].view(p.shard_shape).to(p.shard.dtype)
             p.shard.grad = mean if p.shard.grad is None else p.shard.grad.add_(mean)
+        ### END SOLUTION
     # --8<-- [end:reduce]
 
     def end_step(self) -> None:
         self.arrived.clear()
         self.ran = self.reduced = self.in_backward = self.inputs_done = False
+
+
+# --8<-- [start:prefetch]
+def prefetch(order: list[FSDPParamGroup], at: int) -> None:
+    """``order[at]``, a unit of the order recorded in the first step, is about to compute: post the gather of the
+    unit that runs after it, so that it travels while this one computes (after the last unit, nothing)."""
+    ### BEGIN SOLUTION
+    if at + 1 < len(order):
+        order[at + 1].issue_gather()
+    ### END SOLUTION
+# --8<-- [end:prefetch]
 
 
 def _offsets(sizes: list[int]) -> list[int]:

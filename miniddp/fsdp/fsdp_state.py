@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .fsdp_param_group import FSDPParamGroup
+from .fsdp_param_group import FSDPParamGroup, prefetch
 
 
 class UnitOrderError(RuntimeError):
@@ -62,7 +62,7 @@ class FSDPState:
             root.position["forward"] = 0
         self.unit.ran = True
         if not recompute:
-            root._advance("forward", self)  # posts the next unit's gather behind ours
+            root._advance("forward", self)  # ours posted first (if not prefetched), the next unit's behind it
         self.unit.unshard()
         dtype = self.unit.policy.param_dtype
         if dtype is not None:
@@ -133,8 +133,8 @@ class FSDPState:
             expected = order[at].unit.name if at < len(order) else "nothing"
             raise UnitOrderError(f"fully_shard: unit {state.unit.name!r} ran {phase} step {at + 1} where the first "
                                  f"step ran {expected!r}: prefetch needs the same order of units every step")
-        if at + 1 < len(order):
-            order[at + 1].unit.issue_gather()
+        state.unit.issue_gather()  # ours first (a no-op if it was prefetched), then the next one behind it
+        prefetch([s.unit for s in order], at)
     # --8<-- [end:prefetch]
 
     def _end_forward_only(self) -> None:

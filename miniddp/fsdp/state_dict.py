@@ -55,7 +55,7 @@ def gather_full(p, shard: torch.Tensor) -> torch.Tensor:
     """A tensor shaped like ``p``'s shard, from every rank, as one full tensor shaped like the parameter."""
     out = shard.new_empty(p.world_size * p.shard_numel)
     all_gather(out, shard.detach().reshape(-1).contiguous(), p.group).wait()
-    return p.unpad(out)
+    return p.unpad(out).clone()  # its own storage: not a view of the padded buffer (torch.save would write it)
 
 
 def my_piece(p, full: torch.Tensor) -> torch.Tensor:

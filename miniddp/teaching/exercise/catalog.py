@@ -43,6 +43,7 @@ _JOIN = "tests/test_join.py::"
 _STATIC = "tests/test_static_graph.py::"
 _ZERO = "tests/test_zero.py::"
 _ZERO_SPEC = "tests/test_zero_exercise_spec.py::"
+_FSDP_SPEC = "tests/test_fsdp_exercise_spec.py::"
 
 EXERCISES: tuple[Exercise, ...] = (
     Exercise("sharding", "miniddp.data.sharding", ("ShardSampler",), ("ShardSampler",), "sharding.md", (
@@ -220,6 +221,19 @@ EXERCISES: tuple[Exercise, ...] = (
                  "ZeroOptimizer at stages 1 and 2 trains what torch's DDP with plain AdamW trains"),
         SpecItem(_ZERO_SPEC + "test_a_backward_reduce_scatters_each_bucket_and_all_reduces_no_gradient",
                  "a backward sends one reduce-scatter per bucket, in bucket order, and all-reduces no gradient"),
+    )),
+    Exercise("fsdp", "miniddp.fsdp.fsdp_param_group", ("FSDPParamGroup", "prefetch"),
+             ("FSDPParamGroup", "prefetch"), "fsdp.md", (
+        SpecItem(_FSDP_SPEC + "test_each_shard_holds_its_rows_of_the_mean_gradient_and_trains_as_torch_and_one_process",
+                 "on 3 and 2 ranks, shards padded: rank r's shard .grad is its rows of the mean gradient, summed over "
+                 "micro-batches; SGD with momentum trains what torch's fully_shard and one process on the whole batch "
+                 "train"),
+        SpecItem(_FSDP_SPEC + "test_prefetch_posts_the_next_units_gather_before_this_unit_computes",
+                 "from the second pass on, while a unit computes, the next unit of the recorded order (forward and "
+                 "backward) is gathering, posted and not waited for, and no other unit is"),
+        SpecItem(_FSDP_SPEC + "test_only_the_computing_unit_is_whole_and_the_blocks_are_freed_after_the_forward",
+                 "only the root and the unit computing hold full parameters; after the forward a block's are freed "
+                 "and reading one raises; after the backward the modules hold the shards the optimizer steps"),
     )),
 )
 

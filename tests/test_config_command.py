@@ -65,6 +65,7 @@ def test_the_questionnaire_asks_again_after_a_wrong_answer_and_writes_what_launc
                "", "10.0.0.1",  # the main process's IP has no default
                "",  # its port: the default
                "",  # DeepSpeed: no (the default)
+               "",  # FSDP: no (the default)
                "",  # processes: the default (one per machine)
                "3", "2"]  # mixed precision: 3 is no option; bf16
     shown = _typed([*MINIDDP, "config", "--config_file", str(path)], answers, {**os.environ, "HF_HOME": str(tmp_path)})
@@ -86,7 +87,7 @@ def test_deepspeed_answers_write_the_block_that_accelerate_launch_and_miniddp_la
     answers = ["", "1", "",  # this machine, multi-CPU, one machine
                "maybe", "y",  # DeepSpeed: "maybe" is no answer; yes
                "",  # no DeepSpeed JSON: the questions
-               "3", "",  # the stage: 3 is not offered here; Enter takes 2
+               "4", "",  # the stage: 4 is no option; Enter takes 2
                "0", "4",  # accumulation steps: at least 1
                "yes", "-1", "0.5",  # clipping: a negative value refused
                "2",  # processes
@@ -115,19 +116,19 @@ def test_deepspeed_answers_write_the_block_that_accelerate_launch_and_miniddp_la
 
 
 def test_a_deepspeed_json_is_checked_when_it_is_named_and_asked_again(tmp_path, monkeypatch, capsys):
-    (tmp_path / "stage3.json").write_text('{"zero_optimization": {"stage": 3}}')
+    (tmp_path / "stage3.json").write_text('{"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}')
     fp16 = '{"fp16": {"enabled": true}, "zero_optimization": {"stage": 2}}'  # what the hand path refuses
     (tmp_path / "fp16.json").write_text(fp16)
     (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 1}, "gradient_accumulation_steps": "auto"}')
     path = tmp_path / "json.yaml"
     monkeypatch.chdir(tmp_path)
     pending = _answer(monkeypatch, ["", "1", "", "y", "y",  # multi-CPU, DeepSpeed with a JSON
-                                    str(tmp_path / "none.json"), "stage3.json",  # missing; stage 3
+                                    str(tmp_path / "none.json"), "stage3.json",  # missing; offloading
                                     "fp16.json", "ds.json",  # fp16 with ZeRO stage 2; good
                                     "2"])  # processes; mixed precision is the JSON's, not asked
     assert config_main(["--config_file", str(path)]) == 0 and not pending
     shown = capsys.readouterr().out
-    assert shown.count("try again") == 3 and "zero_optimization.stage" in shown and "fp16.enabled" in shown, shown
+    assert shown.count("try again") == 3 and "offload_param" in shown and "fp16.enabled" in shown, shown
     for precision in ("no", "fp16"):  # the trainer refuses that file whatever its flag says: so does the question
         with pytest.raises(ValueError):
             TrainingConfig(deepspeed=fp16, mixed_precision=precision)
@@ -240,7 +241,7 @@ def test_default_with_an_unwritable_hf_home_is_one_line(tmp_path, monkeypatch, c
 
 def test_when_the_write_fails_after_the_answers_they_are_printed(tmp_path, monkeypatch, capsys):
     path = tmp_path / "mine.yaml"
-    _answer(monkeypatch, ["", "1", "", "", "", ""], on_last=path.mkdir)  # the place turns into a folder meanwhile
+    _answer(monkeypatch, ["", "1", "", "", "", "", ""], on_last=path.mkdir)  # the place turns into a folder meanwhile
     assert config_main(["--config_file", str(path)]) == 1  # before: IsADirectoryError, the answers lost
     out, err = capsys.readouterr()
     assert len(err.splitlines()) == 1 and str(path) in err
@@ -256,7 +257,7 @@ def test_numbers_are_ascii_and_bounded_and_the_host_an_address_or_ascii_name(tmp
                not_utf8, "0",  # this machine's rank, after a line that was not UTF-8
                "1.2.3.\udcff", "1.2.3.400", "10.0.0.1",  # a byte that is not UTF-8 (surrogate-escaped); no address
                "\u0662\u0669\u0665\u0660\u0660", "",  # the port in Arabic-Indic digits; the default
-               "",  # DeepSpeed: no
+               "", "",  # DeepSpeed: no; FSDP: no
                "3", "10000",  # processes: 3 is not a multiple of 2 machines; 10000 on a small machine is allowed
                ""]  # mixed precision: no
     pending = _answer(monkeypatch, answers)
@@ -279,3 +280,25 @@ def test_a_bad_flag_is_one_line(capsys):
 def test_env_says_a_config_path_that_is_a_directory_is_one(tmp_path):
     lines = report(str(tmp_path))  # before: "none at ...", as if there were nothing there
     assert [line for line in lines if str(tmp_path) in line and "directory" in line], lines
+
+
+def test_fsdp_answers_write_the_block_that_miniddp_launch_reads(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "fsdp.yaml"
+    pending = _answer(monkeypatch, ["", "1", "",  # this machine, multi-CPU, one machine
+                                    "", "y",  # DeepSpeed: no; FSDP: yes
+                                    "no",  # reshard after forward: no (shard_grad_op)
+                                    "0", "",  # TRANSFORMER_BASED_WRAP; not _no_split_modules: the classes
+                                    "Linear,9x", "Linear",  # 9x is no class name
+                                    "2",  # processes
+                                    "1", "2"])  # mixed precision: fp16 refused with FSDP; bf16
+    assert config_main(["--config_file", str(path)]) == 0 and not pending
+    assert capsys.readouterr().out.count("try again") == 2
+    cfg = read_config(path)
+    assert (cfg["distributed_type"], cfg["mixed_precision"]) == ("FSDP", "bf16")
+    assert cfg["fsdp_config"] == {"fsdp_version": 2, "fsdp_reshard_after_forward": False,
+                                  "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                                  "fsdp_transformer_layer_cls_to_wrap": "Linear", "fsdp_offload_params": False,
+                                  "fsdp_state_dict_type": "FULL_STATE_DICT"}
+    accelerate = pytest.importorskip("accelerate.commands.config.config_args", reason="accelerate is not installed")
+    theirs = accelerate.load_config_from_file(str(path))
+    assert (theirs.distributed_type.value, theirs.fsdp_config) == ("FSDP", cfg["fsdp_config"])

@@ -92,10 +92,10 @@ def test_a_concrete_value_must_agree_with_the_trainer(key, given, agreeing, over
 
 
 @pytest.mark.parametrize("config, key", [
-    ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage"),
-    ({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 1}}, "zero_optimization.stage"),
-    ({"zero_optimization": {"stage": 2, "stage3_gather_16bit_weights_on_model_save": True}},
-     "zero_optimization.stage3_gather_16bit_weights_on_model_save"),
+    ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage"),  # stage 3 runs fully_shard
+    ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "zero_optimization.zero_quantized_weights"),
+    ({"zero_optimization": {"stage": 3, "stage3_module_granularity_threshold": 1}},
+     "zero_optimization.stage3_module_granularity_threshold"),
     ({"zero_optimization": {"stage": "2"}}, "zero_optimization.stage"),
     ({"zero_optimization": {"stage": 2.0}}, "zero_optimization.stage"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"pin_memory": True, "device": "cpu"}}},
@@ -212,7 +212,7 @@ def test_the_trainer_reads_accelerate_s_variables_as_accelerate_s_deepspeed_plug
 
 
 @pytest.mark.parametrize("name, value, key", [
-    ("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3", "zero_optimization.stage"),
+    ("ACCELERATE_DEEPSPEED_ZERO_STAGE", "4", "zero_optimization.stage"),
     ("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "cpu", "zero_optimization.offload_optimizer.device"),
     ("ACCELERATE_DEEPSPEED_ZERO3_INIT", "true", "zero3_init_flag"),
     ("ACCELERATE_GRADIENT_CLIPPING", "lots", "gradient_clipping"),
@@ -252,7 +252,7 @@ def test_a_yaml_block_becomes_accelerate_launch_s_variables_and_reads_back(tmp_p
 # --- the command lines: one line, exit status 2, before anything starts ----------------------------------
 
 @pytest.mark.parametrize("block, key", [
-    ({"zero_stage": 3}, "deepspeed_config.zero_stage"),
+    ({"zero_stage": 4}, "deepspeed_config.zero_stage"),
     ({"zero_stage": 2, "offload_optimizer_device": "cpu"}, "deepspeed_config.offload_optimizer_device"),
     ({"zero_stage": 2, "offload_param_device": "nvme"}, "deepspeed_config.offload_param_device"),
     ({"zero_stage": 2, "zero3_init_flag": True}, "deepspeed_config.zero3_init_flag"),

@@ -137,7 +137,7 @@ def test_the_count_flag_overrides_the_yaml(capsys, script):
 
 # --- bad input: one line naming the key and the fix, status 2, never a traceback ---------------------
 
-DS = "config: it needs `accelerate launch`; miniddp runs DDP and ZeRO stages 0-2 only"
+DS = "config: it needs `accelerate launch`; miniddp runs DDP, ZeRO and FSDP only"
 BAD = {  # case: (YAML file or None, launcher arguments, the one line after "miniddp launch: error: ")
     "malformed YAML": ("num_processes: [2\n", ["script.py"],
                        "bad.yaml: not valid YAML at line 2, column 1 (expected ',' or ']', but got '<stream end>'); "
@@ -160,12 +160,13 @@ BAD = {  # case: (YAML file or None, launcher arguments, the one line after "min
     "--num_processes -1": (None, ["--num_processes", "-1", "script.py"],
                            "argument --num_processes: -1 must be a whole number >= 1: give the total over all "
                            "machines, e.g. --num_processes 2"),
-    "zero_stage: 3": ("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 3\n", ["script.py"],
-                      "bad.yaml: deepspeed_config.zero_stage: 3: miniddp runs ZeRO stage 0, 1 or 2 (stage 3, "
-                      "parameter sharding, is DeepSpeed's)"),
+    "zero_stage: 4": ("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 4\n", ["script.py"],
+                      "bad.yaml: deepspeed_config.zero_stage: 4: miniddp runs ZeRO stage 0, 1, 2 or 3"),
     "fsdp_config": ("fsdp_config:\n  fsdp_sharding_strategy: FULL_SHARD\n", ["script.py"],
-                    f"bad.yaml: this is an FSDP {DS}"),
-    "FSDP": ("distributed_type: FSDP\n", ["script.py"], f"bad.yaml: this is an FSDP {DS}"),
+                    "bad.yaml: fsdp_config is read with `distributed_type: FSDP` only: set it, or delete the block"),
+    "FSDP offload": ("distributed_type: FSDP\nfsdp_config:\n  fsdp_offload_params: true\n", ["script.py"],
+                     "bad.yaml: fsdp_config: fsdp_offload_params=true: offloading is not implemented in miniddp (the "
+                     "shards stay on the device): set it false or delete it"),
     "megatron_lm_config": ("megatron_lm_config:\n  megatron_lm_tp_degree: 2\n", ["script.py"],
                            f"bad.yaml: this is a Megatron-LM {DS}"),
     "MEGATRON_LM": ("distributed_type: MEGATRON_LM\n", ["script.py"], f"bad.yaml: this is a Megatron-LM {DS}"),

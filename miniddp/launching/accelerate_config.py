@@ -2,7 +2,7 @@
 
 What
     ``read_config(path)`` reads the YAML that ``accelerate config`` writes and checks it key by key:
-    unknown keys, other engines (FSDP, Megatron-LM), numbers out of range (``launch_checks.py``), a
+    unknown keys, other engines (Megatron-LM), numbers out of range (``launch_checks.py``), a
     ``machine_rank`` that is not below ``num_machines``, a host that is not an address or an ASCII
     name, a key given twice (with its two line numbers), YAML anchors and aliases, a file that is not
     text or is over 1 MiB are one ``LaunchError`` line each.
@@ -10,8 +10,10 @@ What
     ``CUDA_VISIBLE_DEVICES``, ``num_cpu_threads_per_process`` sets ``OMP_NUM_THREADS``,
     ``rdzv_backend``, ``debug``); ``ignored_settings`` names, once, the keys it reads and does not
     act on (``dynamo_config``, the TPU keys...). ``distributed_type: DEEPSPEED`` runs miniddp's ZeRO
-    (stage 0-2): ``deepspeed_variables`` are the ``ACCELERATE_*`` variables its ``deepspeed_config`` block
-    becomes (``zero/deepspeed_config.py``, where each key is checked and the trainer reads them back).
+    (stage 0-3): ``deepspeed_variables`` are the ``ACCELERATE_*`` variables its ``deepspeed_config`` block
+    becomes (``zero/deepspeed_config.py``, where each key is checked and the trainer reads them back);
+    ``distributed_type: FSDP`` runs ``miniddp.fully_shard``: ``fsdp_variables`` are ``ACCELERATE_USE_FSDP`` and the
+    ``FSDP_*`` variables of its ``fsdp_config`` block (``training/fsdp_keys.py``), offloading refused.
 
 Why
     A setting that is accepted and then dropped without a word is a silent wrong answer: the user
@@ -23,7 +25,7 @@ Why
 How Accelerate differs
     ``accelerate launch`` reads the same file through its own dataclasses
     (``accelerate/commands/config/config_args.py``) and ignores unknown keys it does not use. With
-    ``DEEPSPEED`` it runs DeepSpeed's engine (and on the CPU none: it drops DeepSpeed there).
+    ``DEEPSPEED`` it runs DeepSpeed's engine, with ``FSDP`` torch's (and on the CPU neither: it drops them there).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import os
 
 import yaml
 
+from ..training.fsdp_keys import accelerate_fsdp_variables
 from ..zero.deepspeed_config import accelerate_variables
 from .launch_checks import MAX_PER_MACHINE, MAX_PROCESSES, host, shown
 
@@ -39,10 +42,9 @@ KNOWN_KEYS = {"compute_environment", "distributed_type", "num_processes", "num_m
               "main_process_ip", "main_process_port", "mixed_precision", "same_network", "use_cpu",
               "main_training_function", "rdzv_backend", "gpu_ids", "downcast_bf16", "debug", "enable_cpu_affinity",
               "tpu_env", "tpu_use_cluster", "tpu_use_sudo", "dynamo_config", "num_cpu_threads_per_process",
-              "deepspeed_config"}
-DDP_TYPES = {"MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_HPU", "MULTI_MLU", "NO", "DEEPSPEED"}  # miniddp runs
-OTHER_ENGINES = {"fsdp_config": "FSDP", "megatron_lm_config": "Megatron-LM", "FSDP": "FSDP",
-                 "MEGATRON_LM": "Megatron-LM"}  # keys and distributed_types
+              "deepspeed_config", "fsdp_config"}
+DDP_TYPES = {"MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_HPU", "MULTI_MLU", "NO", "DEEPSPEED", "FSDP"}  # miniddp runs
+OTHER_ENGINES = {"megatron_lm_config": "Megatron-LM", "MEGATRON_LM": "Megatron-LM"}  # keys and distributed_types
 WHOLE_NUMBERS = {  # key: (lowest, highest, what to write instead); the highest: see launch_checks.py
     "num_processes": (1, MAX_PROCESSES, "the total number of processes over all machines, e.g. `num_processes: 2`"),
     "num_machines": (1, MAX_PROCESSES, "the number of machines, e.g. `num_machines: 1`"),
@@ -106,8 +108,8 @@ def read_config(path) -> dict:
         raise LaunchError(f"{path}: expected a YAML mapping of accelerate config keys (`num_processes: 2`, ...)")
     engine = next((OTHER_ENGINES[k] for k in [*cfg, str(cfg.get("distributed_type"))] if k in OTHER_ENGINES), None)
     if engine:
-        raise LaunchError(f"{path}: this is {'an' if engine == 'FSDP' else 'a'} {engine} config: "
-                          "it needs `accelerate launch`; miniddp runs DDP and ZeRO stages 0-2 only")
+        raise LaunchError(f"{path}: this is a {engine} config: it needs `accelerate launch`; miniddp runs DDP, ZeRO "
+                          "and FSDP only")
     unknown = sorted(set(cfg) - KNOWN_KEYS)
     if unknown:
         raise LaunchError(f"{path}: unknown key(s) {unknown}; known: {sorted(KNOWN_KEYS)}")
@@ -143,7 +145,14 @@ def read_config(path) -> dict:
     if cfg.get("deepspeed_config") and kind != "DEEPSPEED":
         raise LaunchError(f"{path}: deepspeed_config is read with `distributed_type: DEEPSPEED` only: set it, or "
                           "delete the block")
+    if cfg.get("fsdp_config") and kind != "FSDP":
+        raise LaunchError(f"{path}: fsdp_config is read with `distributed_type: FSDP` only: set it, or delete the "
+                          "block")
+    if kind == "FSDP" and cfg.get("mixed_precision") == "fp16":
+        raise LaunchError(f"{path}: mixed_precision: fp16 cannot run with distributed_type: FSDP (a GradScaler would "
+                          "find an inf in one rank's shard only, and that rank alone would skip the step): use bf16")
     deepspeed_variables(cfg, path)  # each key checked now, before any process starts
+    fsdp_variables(cfg, path)
     return cfg
 
 
@@ -154,6 +163,16 @@ def deepspeed_variables(cfg: dict, path=None) -> dict:
     try:
         return accelerate_variables(cfg.get("deepspeed_config") or {}, str(path))
     except ValueError as err:  # DeepSpeedConfigError: it names the key
+        raise LaunchError(" ".join(str(err).split())) from None
+
+
+def fsdp_variables(cfg: dict, path=None) -> dict:
+    """``distributed_type: FSDP``: ``ACCELERATE_USE_FSDP`` and the ``FSDP_*`` variables of its ``fsdp_config``."""
+    if cfg.get("distributed_type") != "FSDP":
+        return {}
+    try:
+        return accelerate_fsdp_variables(cfg.get("fsdp_config") or {}, str(path))
+    except ValueError as err:  # FSDPConfigError: it names the key
         raise LaunchError(" ".join(str(err).split())) from None
 
 

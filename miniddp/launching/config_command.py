@@ -4,9 +4,10 @@ What
     ``miniddp config [--config_file F]`` asks what ``accelerate config`` asks of a local machine: the
     compute environment, the kind of machine (no distributed training, multi-CPU, multi-GPU), the
     number of machines and this one's rank, the main process's IP address and port, CPU only,
-    DeepSpeed (``distributed_type: DEEPSPEED``: miniddp's own ZeRO, stage 0-2, or a DeepSpeed JSON
-    whose keys are checked as it is named), the number of processes, mixed precision (not fp16 with
-    ZeRO stage 1 or 2, which the trainer refuses, picked here or in the JSON). Defaults are in brackets;
+    DeepSpeed (``distributed_type: DEEPSPEED``: miniddp's own ZeRO, stage 0-3, or a DeepSpeed JSON
+    whose keys are checked as it is named), else FSDP (``distributed_type: FSDP``: resharding after forward,
+    the auto wrap policy and its classes or size), the number of processes, mixed precision (not fp16 with
+    sharding, which the trainer refuses, picked here or in the JSON). Defaults are in brackets;
     Enter takes them; a bad answer is explained and asked again: numbers in the digits 0-9 and within
     what torch and Linux can run (``launch_checks.py``), the host an IP address or an ASCII name. ``F``
     is checked before the first question. It writes Accelerate's YAML to ``F``, or to Accelerate's default
@@ -20,9 +21,10 @@ Why
     launch``; a user of miniddp should not have to write the YAML by hand.
 
 How Accelerate differs
-    ``accelerate/commands/config/cluster.py`` asks about many more engines (FSDP, TPUs, dynamo), and
-    of DeepSpeed also stage 3 and offloading, which miniddp does not run (it does not offer DeepSpeed
-    on a multi-CPU machine; miniddp's ZeRO runs there on gloo). It picks options with the arrow keys;
+    ``accelerate/commands/config/cluster.py`` asks about many more engines (TPUs, dynamo), of DeepSpeed and
+    FSDP also offloading, which miniddp does not run, and of FSDP the version, prefetching, the state dict type and
+    CPU-RAM-efficient loading, which change nothing here (it does not offer DeepSpeed or FSDP on a multi-CPU
+    machine; miniddp's run there on gloo). It picks options with the arrow keys;
     here an option is picked by its number. It reads
     numbers with ``int`` and finds an unwritable path only when it writes, after the last answer.
 """
@@ -38,7 +40,9 @@ from ..zero.deepspeed_config import FP16_WITH_ZERO, accelerate_variables
 from .accelerate_config import default_config_file, default_config_source, write_config
 from .launch_checks import MAX_PER_MACHINE, MAX_PROCESSES, OneLineParser, host, unwritable, whole_number
 
-STAGES = ("0: DDP, nothing sharded", "1: the optimizer state sharded", "2: the gradients sharded too")  # by number
+STAGES = ("0: DDP, nothing sharded", "1: the optimizer state sharded", "2: the gradients sharded too",
+          "3: the parameters sharded too (miniddp.fully_shard)")  # by number
+WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")  # Accelerate's FSDP_AUTO_WRAP_POLICY
 PRECISIONS = ("no", "fp16", "bf16")
 MACHINE_TYPES = (("No distributed training", "NO"), ("multi-CPU", "MULTI_CPU"), ("multi-GPU", "MULTI_GPU"))
 
@@ -119,7 +123,8 @@ def questionnaire() -> dict:
     if kind == "NO":
         cfg["num_processes"] = 1
     else:
-        cfg.update(deepspeed_questions())  # distributed_type: DEEPSPEED and its deepspeed_config block, or nothing
+        # distributed_type: DEEPSPEED and its deepspeed_config block, or FSDP and its fsdp_config block, or nothing
+        cfg.update(deepspeed_questions() or fsdp_questions())
         # as many on every machine, and no more than Linux holds on one (more than its cores: launch says so)
         per, most = cfg["num_machines"], min(MAX_PROCESSES, cfg["num_machines"] * MAX_PER_MACHINE)
         cfg["num_processes"] = ask(f"How many processes in total will you use (over all machines)? [{per}]: ",
@@ -127,10 +132,10 @@ def questionnaire() -> dict:
                                    f"machine) from {per} to {most} (at most {MAX_PER_MACHINE} per machine)")
     block = cfg.get("deepspeed_config", {})
     if "deepspeed_config_file" not in block:  # else the JSON's fp16/bf16 blocks say it, and it is not asked
-        zero = block.get("zero_stage", 0) > 0
+        zero = block.get("zero_stage", 0) > 0 or cfg["distributed_type"] == "FSDP"
         cfg["mixed_precision"] = PRECISIONS[ask_option(
             "Do you wish to use mixed precision?", PRECISIONS, refused=lambda option: zero and option == "fp16" and
-            f"fp16 cannot run with ZeRO stage 1 or 2 ({FP16_WITH_ZERO}): pick no or bf16")]
+            f"fp16 cannot run with sharding (ZeRO stages 1-3, FSDP): {FP16_WITH_ZERO}: pick no or bf16")]
     return {**cfg, "debug": False, "downcast_bf16": "no", "main_training_function": "main",
             "rdzv_backend": "static", **({} if cfg["use_cpu"] else {"gpu_ids": "all"})}
 # --8<-- [end:questions]
@@ -138,21 +143,52 @@ def questionnaire() -> dict:
 
 def deepspeed_questions() -> dict:
     """Accelerate's DeepSpeed questions, for what miniddp's ZeRO runs: a DeepSpeed JSON (checked now), or the
-    stage (0-2; no offload, no stage 3), accumulation and clipping. {} when the answer is no."""
-    if not ask("Do you want to use DeepSpeed's ZeRO (run by miniddp's own engine, stages 0-2; not DeepSpeed)? "
+    stage (0-3; no offload), accumulation and clipping. {} when the answer is no."""
+    if not ask("Do you want to use DeepSpeed's ZeRO (run by miniddp's own engine, stages 0-3; not DeepSpeed)? "
                "[yes/NO]: ", _yes_no, False):
         return {}
     if ask("Do you want to specify a json file to a DeepSpeed config? [yes/NO]: ", _yes_no, False):
         path = ask("Please enter the path to the json DeepSpeed config file: ", _deepspeed_file)
         return {"distributed_type": "DEEPSPEED", "deepspeed_config": {"deepspeed_config_file": path,
                                                                       "zero3_init_flag": False}}
-    stage = ask_option("What should be your DeepSpeed's ZeRO optimization stage? (3 is DeepSpeed's, not here)",
-                       STAGES, default=2)
+    stage = ask_option("What should be your DeepSpeed's ZeRO optimization stage?", STAGES, default=2)
     block = {"zero_stage": stage, "gradient_accumulation_steps": ask(
         "How many gradient accumulation steps you're passing in your script? [1]: ", _number(1, 2**31 - 1), 1)}
     if ask("Do you want to use gradient clipping? [yes/NO]: ", _yes_no, False):
         block["gradient_clipping"] = ask("What is the gradient clipping value? [1.0]: ", _clipping, 1.0)
     return {"distributed_type": "DEEPSPEED", "deepspeed_config": {**block, "zero3_init_flag": False}}
+
+
+# --8<-- [start:fsdp]
+def fsdp_questions() -> dict:
+    """Accelerate's FSDP questions that matter to ``fully_shard``: resharding after forward, the auto wrap policy and
+    its classes or size. Written as FSDP2 (``fsdp_version: 2``), full state dicts, no offload. {} when the answer is
+    no."""
+    if not ask("Do you want to use FullyShardedDataParallel (miniddp's fully_shard, FSDP2's API)? [yes/NO]: ",
+               _yes_no, False):
+        return {}
+    block = {"fsdp_version": 2, "fsdp_reshard_after_forward": ask(
+        "Do you want to enable resharding after forward? [YES/no]: ", _yes_no, True)}
+    block["fsdp_auto_wrap_policy"] = WRAP_POLICIES[ask_option("What should be your auto wrap policy?", WRAP_POLICIES)]
+    if block["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP" and not ask(
+            "Do you want to use the model's `_no_split_modules` to wrap. Only applicable for 🤗 Transformers "
+            "[yes/NO]: ", _yes_no, False):
+        block["fsdp_transformer_layer_cls_to_wrap"] = ask(
+            "Specify the comma-separated list of transformer layer class names (case-sensitive) to wrap ,e.g, :"
+            "`BertLayer`, `GPTJBlock`, `T5Block`, `BertLayer,BertEmbeddings,BertSelfOutput` ...? : ", _class_names)
+    if block["fsdp_auto_wrap_policy"] == "SIZE_BASED_WRAP":
+        block["fsdp_min_num_params"] = ask("What should be your FSDP's minimum number of parameters for Default Auto "
+                                           "Wrapping Policy? [1e8]: ", _number(0, 2**63 - 1), 100000000)
+    return {"distributed_type": "FSDP", "fsdp_config": {**block, "fsdp_offload_params": False,
+                                                        "fsdp_state_dict_type": "FULL_STATE_DICT"}}
+# --8<-- [end:fsdp]
+
+
+def _class_names(answer: str) -> str:
+    names = [name.strip() for name in answer.split(",")]
+    if not all(name.isidentifier() for name in names):
+        raise ValueError("type Python class names separated by commas, e.g. GPT2Block")
+    return ",".join(names)
 
 
 def _deepspeed_file(answer: str) -> str:

@@ -9,8 +9,9 @@ What
     default file if it exists, as ``accelerate launch`` does), picks the process count (one per
     visible GPU, else 2 on the CPU), and runs torchrun with the arguments ``torchrun_args.py``
     builds. The training CLI is ``miniddp launch ... -m miniddp.train --output_dir out``. A YAML with
-    ``distributed_type: DEEPSPEED`` runs miniddp's ZeRO stage 0-2: its ``deepspeed_config`` reaches the
-    workers as the ``ACCELERATE_*`` variables ``accelerate launch`` sets, which miniddp's Trainer reads.
+    ``distributed_type: DEEPSPEED`` runs miniddp's ZeRO stage 0-3 and ``FSDP`` its ``fully_shard``: the
+    ``deepspeed_config`` or ``fsdp_config`` block reaches the workers as the variables ``accelerate launch`` sets
+    (``ACCELERATE_*``, ``FSDP_*``), which miniddp's Trainer reads.
 
 Why
     The YAML is how TRL and Accelerate users describe jobs (TRL's multi-node page), and
@@ -20,7 +21,7 @@ Why
 
 How Accelerate differs
     ``accelerate launch`` (``accelerate/commands/launch.py``) parses the same way, with many
-    more options and backends (FSDP, TPU, DeepSpeed's own engine), and runs the same ``torch.distributed.run``.
+    more options and backends (torch's FSDP, TPU, DeepSpeed's own engine), and runs the same ``torch.distributed.run``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from .accelerate_config import (
     deepspeed_variables,
     default_config_file,
     default_config_source,
+    fsdp_variables,
     ignored_settings,
     machine_rank_error,
     read_config,
@@ -139,10 +141,12 @@ def launch_command(argv: list[str]) -> tuple[list[str], dict, bool]:
     if "num_processes" not in cfg:  # per machine, times the machines
         per_node, why = default_num_processes(cfg.get("use_cpu", False))
         cfg["num_processes"] = per_node * cfg.get("num_machines", 1)
-    if args.drop_in and cfg.get("distributed_type") == "DEEPSPEED":  # its ACCELERATE_* variables start DeepSpeed
-        raise LaunchError(f"{args.config_file}: distributed_type: DEEPSPEED with --drop_in: the drop-in replaces "
-                          "torch's DDP, and a Transformers or Accelerate script would start DeepSpeed's engine; use "
-                          "MULTI_GPU or MULTI_CPU with --drop_in (miniddp's ZeRO runs in its own Trainer)")
+    engine = cfg.get("distributed_type")
+    if args.drop_in and engine in ("DEEPSPEED", "FSDP"):  # its variables start DeepSpeed's engine or torch's FSDP
+        raise LaunchError(f"{args.config_file}: distributed_type: {engine} with --drop_in: the drop-in replaces "
+                          f"torch's DDP, and a Transformers or Accelerate script would start "
+                          f"{'DeepSpeed' if engine == 'DEEPSPEED' else 'torch FSDP'}; use MULTI_GPU or MULTI_CPU with "
+                          "--drop_in (miniddp's ZeRO and FSDP run in its own Trainer)")
     drop_in = ["-m", "miniddp.drop_in"] if args.drop_in else []  # it runs the script, or `-m module`, itself
     command = torchrun_args(cfg, machine_rank=args.machine_rank) + drop_in + target
     notices += [f"{why}; --num_processes N to choose"] if why else []
@@ -154,7 +158,7 @@ def launch_command(argv: list[str]) -> tuple[list[str], dict, bool]:
     if target == ["-m", "miniddp.train"]:
         script_args = train_flags(cfg, script_args)
         script_args += deepspeed_flags(cfg, script_args)
-    return command + script_args, {**script_env(cfg), **deepspeed_variables(cfg)}, args.dry_run
+    return command + script_args, {**script_env(cfg), **deepspeed_variables(cfg), **fsdp_variables(cfg)}, args.dry_run
 
 
 def deepspeed_flags(cfg: dict, flags: list[str]) -> list[str]:

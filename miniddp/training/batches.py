@@ -197,9 +197,11 @@ def numpy_of(t: torch.Tensor):
 # --8<-- [start:evaluate]
 @torch.no_grad()
 def evaluate(model, dataset, *, device, batch_size, collate_fn=None, compute_loss_func=None,
-             compute_metrics=None) -> dict:
+             compute_metrics=None, lockstep: bool = False) -> dict:
     """``eval_loss`` over ``dataset`` on all ranks (each takes every world_size-th sample, no padding),
-    plus ``compute_metrics``' results prefixed ``eval_``. Every rank gets the same numbers; {} without data."""
+    plus ``compute_metrics``' results prefixed ``eval_``. Every rank gets the same numbers; {} without data.
+    ``lockstep`` (FSDP: each forward gathers from every rank): a rank with fewer batches than rank 0 runs as many
+    more forwards on one sample, their results unused."""
     if dataset is None or len(dataset) == 0:
         return {}
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -217,6 +219,11 @@ def evaluate(model, dataset, *, device, batch_size, collate_fn=None, compute_los
             if labels_of(batch) is None:
                 raise ValueError("compute_metrics needs labels: a 'labels' key, or tuples (inputs..., labels)")
             kept.append((predictions_of(outputs), labels_of(batch)))
+    if lockstep:
+        spare = next(iter(DataLoader(Subset(dataset, [0]), batch_size=1, collate_fn=collate_fn)))
+        for _ in range(_batches(len(range(0, len(dataset), world_size)), batch_size) - _batches(len(mine), batch_size)):
+            compute_loss(model, move_to(spare, device), compute_loss_func,  # a forward only: not counted
+                         count_items(spare) if counts_items(model, compute_loss_func) else None)
     dist.all_reduce(totals)  # every sample counted exactly once
     model.train()
     metrics = {"eval_loss": (totals[0] / totals[1]).item()}
@@ -226,6 +233,10 @@ def evaluate(model, dataset, *, device, batch_size, collate_fn=None, compute_los
             metrics[name if name.startswith("eval_") else f"eval_{name}"] = value
     return metrics
 # --8<-- [end:evaluate]
+
+
+def _batches(samples: int, batch_size: int) -> int:
+    return -(-samples // batch_size)
 
 
 def _gather_in_order(kept, world_size: int):

@@ -28,7 +28,8 @@ How Hugging Face differs
     here they default to DDP's own defaults. Transformers' docs warn against
     combining either with ``gradient_checkpointing``; we refuse the combination.
     ``mixed_precision`` is Accelerate's name (``no``/``bf16``/``fp16``); ``deepspeed`` takes
-    DeepSpeed's config, for miniddp's ZeRO stage 0-2 (``deepspeed_args.py``).
+    DeepSpeed's config, for miniddp's ZeRO stage 0-3 (``deepspeed_args.py``); ``fsdp`` and ``fsdp_config`` take
+    Transformers' FSDP words and keys (``fsdp_args.py``).
     ``per_device_eval_batch_size`` defaults to 256 (8 there): the built-in
     evaluation sets are tiny. ``loss_normalization``, ``model``, ``dataset_size``,
     ``eval_size`` and ``dropout`` choose the built-in task (``tasks.py``); the
@@ -49,6 +50,8 @@ from ..process_group.backend import valid_backend_names
 from ..process_group.timeouts import DEFAULT_TIMEOUT_S, as_timedelta
 from .config_checks import check_compile_backend, checkpoint_kwargs
 from .deepspeed_args import deepspeed_settings, world_size_from_env
+from .fsdp_args import fsdp_settings
+from .fsdp_keys import FSDPSettings
 from .report_to import REPORT_TO, check_report_to
 
 MIXED_PRECISION = ("no", "bf16", "fp16")
@@ -135,7 +138,13 @@ class TrainingConfig:
     disable_tqdm: bool = field(default=False, metadata={"help": "no progress bar"})
     deepspeed: str | dict | None = field(default=None, metadata={
         "help": "a DeepSpeed config (JSON file, JSON text or dict): zero_optimization.stage 0, 1 or 2 runs miniddp's "
-                "ZeRO; none: ACCELERATE_USE_DEEPSPEED's variables, else stage 0"})
+                "ZeRO, 3 its fully_shard; none: ACCELERATE_USE_DEEPSPEED's variables, else stage 0"})
+    fsdp: str | list | None = field(default=None, metadata={
+        "help": "fully_shard the model (Transformers' words): \"full_shard auto_wrap\" (ZeRO-3), shard_grad_op "
+                "(keep the gathered parameters until backward); auto_wrap: units from fsdp_config; none: off"})
+    fsdp_config: str | dict | None = field(default=None, metadata={
+        "help": "with fsdp: a JSON file, JSON text or dict: transformer_layer_cls_to_wrap, min_num_params, "
+                "reshard_after_forward, version"})
     report_to: str = field(default="none", metadata={
         "help": "also log to tensorboard (rank 0; output_dir/runs/ or $TENSORBOARD_LOGGING_DIR); none: metrics.json"})
 
@@ -145,7 +154,7 @@ class TrainingConfig:
     # --8<-- [start:validate]
     def validate(self) -> None:
         # a Path and a timedelta become what metrics.json can hold (it records the config)
-        for name in ("output_dir", "resume_from_checkpoint", "deepspeed"):
+        for name in ("output_dir", "resume_from_checkpoint", "deepspeed", "fsdp_config"):
             if isinstance(getattr(self, name), os.PathLike):
                 setattr(self, name, os.fspath(getattr(self, name)))
         if isinstance(self.ddp_timeout, timedelta):
@@ -224,12 +233,23 @@ class TrainingConfig:
         self._zero = deepspeed_settings(self, world_size_from_env())  # deepspeed_args.py: stage 0, 1 or 2
         if self._zero.bucket_cap_mb is not None:  # zero_optimization.reduce_bucket_size, in MiB
             self.ddp_bucket_cap_mb = self._zero.bucket_cap_mb
+        self._fsdp = fsdp_settings(self, self._zero.stage)  # fsdp_args.py: fsdp, stage 3 or ACCELERATE_USE_FSDP
     # --8<-- [end:validate]
 
     @property
     def zero_stage(self) -> int:
-        """The ZeRO stage ``deepspeed`` asks for: 0 (DDP), 1 or 2 (``miniddp.ZeroOptimizer``)."""
+        """The ZeRO stage ``deepspeed`` asks for: 0 (DDP), 1 or 2 (``miniddp.ZeroOptimizer``), 3 (``fully_shard``)."""
         return self._zero.stage
+
+    @property
+    def fsdp_settings(self) -> FSDPSettings:
+        """How ``fully_shard`` runs (``.enabled`` False: DDP): from ``fsdp``, DeepSpeed's stage 3 or Accelerate's."""
+        return self._fsdp
+
+    @property
+    def fully_sharded(self) -> bool:
+        """Whether the parameters are sharded (``fsdp``, stage 3, ``ACCELERATE_USE_FSDP``): a resume compares it."""
+        return self._fsdp.enabled
 
     def effective_batch_size(self, world_size: int) -> int:
         """Samples per optimizer step over all ranks: what equivalent runs share."""

@@ -3,10 +3,13 @@
 What
     What ``Trainer.__init__`` builds before the first step, one function per object, each from
     the ``TrainingConfig``. ``prepare_model``: gradient checkpointing, the move to the rank's
-    device, ``DistributedDataParallel`` with the ``ddp_*`` settings and the ``ddp_comm_hook``.
+    device, ``DistributedDataParallel`` with the ``ddp_*`` settings and the ``ddp_comm_hook``; with ``fsdp`` (or
+    DeepSpeed's stage 3) ``prepare_fsdp_model`` instead: ``fully_shard`` on the units the settings name, then the
+    root (``sharded_model.py``), and a ``ShardedModel`` where DDP would be.
     ``prepare_dataloader``: a ``ShardSampler`` and a ``DataLoader`` with its own generator.
-    ``prepare_optimizer``: AdamW (with ZeRO stage 1 or 2: ``miniddp.ZeroOptimizer`` of AdamW, attached to DDP
-    before its first forward), its learning rate decayed linearly to 0 over ``max_steps``.
+    ``prepare_optimizer``: AdamW (over this rank's shards under FSDP; with ZeRO stage 1 or 2:
+    ``miniddp.ZeroOptimizer`` of AdamW, attached to DDP before its first forward), its learning rate decayed
+    linearly to 0 over ``max_steps``.
     ``prepare_mixed_precision``: autocast for bf16 and fp16, a ``GradScaler`` for fp16.
 
 Why
@@ -37,6 +40,7 @@ from ..composed import DistributedDataParallel  # bucket_cap_mb="auto" included
 from ..data.sharding import ShardSampler
 from ..zero.reduce_scatter_optimizer import ZeroOptimizer
 from .config import TrainingConfig
+from .sharded_model import shard_model
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module, broadcast_buffers: bool, keywords=None) -> None:
@@ -61,6 +65,8 @@ def enable_gradient_checkpointing(model: torch.nn.Module, broadcast_buffers: boo
 # --8<-- [start:wrap]
 def prepare_model(model: torch.nn.Module, args: TrainingConfig, device: torch.device):
     """(the model on ``device``, its DDP wrapper, the comm hook's ``(state, hook)`` or None: plain all-reduce)."""
+    if args.fsdp_settings.enabled:
+        return prepare_fsdp_model(model, args, device)
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model, args.ddp_broadcast_buffers, args.gradient_checkpointing_kwargs)
     model = model.to(device)  # the unwrapped model: what a checkpoint saves
@@ -72,6 +78,14 @@ def prepare_model(model: torch.nn.Module, args: TrainingConfig, device: torch.de
     if comm_hook is not None:
         ddp.register_comm_hook(*comm_hook)
     return model, ddp, comm_hook
+
+
+def prepare_fsdp_model(model: torch.nn.Module, args: TrainingConfig, device: torch.device):
+    """(the model on ``device``, sharded in place into units; its ``ShardedModel``; None: no comm hook)."""
+    if args.gradient_checkpointing:
+        enable_gradient_checkpointing(model, False, args.gradient_checkpointing_kwargs)  # buffers: broadcast once
+    model = model.to(device)
+    return model, shard_model(model, args.fsdp_settings, args.mixed_precision, args.ddp_broadcast_buffers), None
 
 
 def prepare_dataloader(dataset, args: TrainingConfig, rank: int, world_size: int, device: torch.device,
@@ -89,7 +103,7 @@ def prepare_dataloader(dataset, args: TrainingConfig, rank: int, world_size: int
 def prepare_optimizer(ddp, args: TrainingConfig, max_steps: int, zero_stage: int = 0, schedule=None):
     """AdamW for ``ddp``'s model (ZeRO stage 1 or 2: sharded by ``ZeroOptimizer``), and a schedule that decays
     its learning rate linearly to 0 at ``max_steps`` (or ``schedule``'s: a DeepSpeed config's scheduler block)."""
-    if zero_stage == 0:
+    if zero_stage in (0, 3):  # stage 3 runs fully_shard: ddp.module.parameters() are this rank's shards
         optimizer = torch.optim.AdamW(ddp.module.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     else:  # before DDP's first forward: its buckets' reduce-scatter and this rank's shard are set up now
         optimizer = ZeroOptimizer(ddp, torch.optim.AdamW, stage=zero_stage, lr=args.learning_rate,

@@ -43,15 +43,16 @@ class ProgressReporter:
     """Logging, evaluation and results, for ``Trainer``: built with what it reports on, given the state per call."""
 
     def __init__(self, *, args, rank: int, world_size: int, backend: str, model, scheduler, fp16: bool,
-                 samples_per_step: int, max_steps: int, evaluate):
+                 samples_per_step: int, max_steps: int, evaluate, fsdp_units=None):
         self.args = args  # reads output_dir, overwrite_output_dir, save_steps, disable_tqdm, report_to; metrics.json
         self.rank, self.world_size, self.backend = rank, world_size, backend
-        self.model = model  # the unwrapped model: final_model.pt
+        self.model = model  # the unwrapped model (FSDP: its full-state view, a collective): final_model.pt
         self.scheduler = scheduler  # the learning rate of each log
         self.fp16 = fp16  # a GradScaler runs: metrics.json counts the steps it skipped
         self.samples_per_step = samples_per_step  # epoch.EpochPlan's: what a step trained on
         self.max_steps = max_steps
         self.evaluate = evaluate  # () -> eval_loss and compute_metrics' results, on every rank
+        self.fsdp_units = fsdp_units  # under FSDP, each unit's module name (the root last): metrics.json says them
         self.report_to = Reporter(args.report_to, args.output_dir, rank)  # report_to: where logs also go
 
     def claim_output_dir(self, where):
@@ -98,16 +99,20 @@ class ProgressReporter:
         metrics = {"world_size": self.world_size, "backend": self.backend,
                    "effective_batch_size": self.samples_per_step,  # what a step trained on
                    "global_step": state.global_step,
-                   "zero_stage": args.zero_stage,  # 0: DDP; 1, 2: miniddp's ZeRO (the deepspeed config)
+                   "zero_stage": args.zero_stage,  # 0: DDP; 1, 2: miniddp's ZeRO; 3: fully_shard (the deepspeed config)
+                   **({"fsdp_units": self.fsdp_units,
+                       "reshard_after_forward": args.fsdp_settings.reshard_after_forward} if self.fsdp_units else {}),
                    "train_loss": state.loss_sum / max(1, state.global_step),
                    **({"fp16_skipped_steps": state.skipped_steps} if self.fp16 else {}),
                    **self.evaluate(), "log_history": state.log_history}
         self.report_to.log({k: v for k, v in metrics.items() if k == "train_loss" or k.startswith("eval_")},
                            state.global_step)
 
+        weights = self.model.state_dict()  # on every rank: under FSDP the gather is a collective
+
         def write():  # each atomically: a crash or a full disk leaves the previous version whole
             out = Path(args.output_dir)
-            atomic_save(self.model.state_dict(), out / "final_model.pt")
+            atomic_save(weights, out / "final_model.pt")
             strict = json.dumps(finite_or_null({**metrics, "config": args.to_dict()}), indent=2, allow_nan=False)
             atomic_write_text(out / "metrics.json", strict + "\n")
         on_every_rank(write if self.rank == 0 else None, "writing final_model.pt and metrics.json")

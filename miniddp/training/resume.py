@@ -46,7 +46,7 @@ GEOMETRY = ("world_size", "per_device_train_batch_size", "gradient_accumulation_
             "dataloader_drop_last")
 SCHEDULE = ("seed", "learning_rate", "weight_decay", "max_grad_norm", "max_steps", "num_train_epochs",
             "mixed_precision", "model", "dataset_size", "dropout", "loss_normalization", "ddp_comm_hook",
-            "ddp_comm_powersgd_rank", "ddp_comm_powersgd_start_iter", "zero_stage")
+            "ddp_comm_powersgd_rank", "ddp_comm_powersgd_start_iter", "zero_stage", "fully_sharded")
 
 
 class SetupChangedError(ValueError):

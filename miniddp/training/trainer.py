@@ -6,9 +6,10 @@ What
     ``transformers.Trainer``'s keywords. It joins the job (``init_distributed``), prepares the
     model, data, optimizer and mixed precision (``prepare.py``), seeds each rank with
     ``seed + rank``, and trains. This file is the loop: accumulation windows with ``no_sync`` on
-    every micro-batch but the last (ZeRO stage 2: none), clipping after the sync (ZeRO: by the
-    optimizer, from its shards), one optimizer and LR-schedule step per window, a stop at the first
-    non-finite loss (``nonfinite.py``). Batches become losses in
+    every micro-batch but the last (ZeRO stages 2 and 3: none), clipping after the sync (ZeRO and FSDP: from
+    the shards), one optimizer and LR-schedule step per window, a stop at the first
+    non-finite loss (``nonfinite.py``). Under FSDP (``fsdp``, or DeepSpeed's stage 3) ``self.ddp`` is a
+    ``ShardedModel`` (``sharded_model.py``): the same calls, on ``fully_shard``'s units. Batches become losses in
     ``batches.py`` (the loop knows no task). Where the run is lives in one ``TrainerState``
     (``trainer.state``, ``trainer_state.py``); the loop hands it to two collaborators built with
     what they need: a ``ProgressReporter`` logs, evaluates and writes the results (``reporting.py``),
@@ -53,6 +54,7 @@ from .nonfinite import grad_norm, stop_if_not_finite
 from .prepare import prepare_dataloader, prepare_mixed_precision, prepare_model, prepare_optimizer
 from .reporting import ProgressReporter
 from .resume import epoch_batches, seed_per_rank, setup_of
+from .sharded_model import FullModelState, FullOptimizerState
 from .trainer_state import TrainerState
 
 
@@ -73,6 +75,8 @@ class Trainer:
         self.device, self.rank, self.world_size = self.env.device, self.env.rank, self.env.world_size
         zero = deepspeed_settings(args, self.world_size)  # checked again, with the world size
         self.zero_stage = zero.stage
+        self.fsdp = args.fsdp_settings  # .enabled: fully_shard (fsdp, stage 3 or Accelerate's FSDP) where DDP would be
+        setup = setup_of(args, self.world_size, len(train_dataset), model)  # a resume must match it (full shapes)
         self.model, self.ddp, self.comm_hook = prepare_model(model, args, self.device)  # self.model: unwrapped
         self.compiler = DDPOptimizer(self.ddp, args.torch_compile_backend or "inductor")  # one piece per bucket
         self.forward = torch.compile(self.ddp, backend=self.compiler) if args.torch_compile else self.ddp  # Accelerate
@@ -91,15 +95,18 @@ class Trainer:
         self.autocast, self.scaler = prepare_mixed_precision(args.mixed_precision, self.device)
         self.state = TrainerState()  # where the run is: saved whole in each checkpoint, restored whole
         self.pending_loss = torch.zeros((), dtype=torch.float64, device=self.device)  # this rank's, not yet in state
-        setup = setup_of(args, self.world_size, len(train_dataset), self.model)  # a resume must match it
-        self.checkpointer = Checkpointer(args=args, rank=self.rank, model=self.model, ddp=self.ddp,
-                                         optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
+        # FSDP: a checkpoint (and final_model.pt) holds full tensors, gathered by every rank: any world size loads it
+        full_model = FullModelState(self.model) if self.fsdp.enabled else self.model
+        self.checkpointer = Checkpointer(args=args, rank=self.rank, model=full_model, ddp=self.ddp,
+                                         optimizer=FullOptimizerState(self.model, self.optimizer) if self.fsdp.enabled
+                                         else self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
                                          comm_hook=self.comm_hook, setup=setup, windows_per_epoch=per_epoch,
                                          max_steps=self.max_steps)
         self.reports = ProgressReporter(args=args, rank=self.rank, world_size=self.world_size,
-                                        backend=self.env.backend, model=self.model, scheduler=self.scheduler,
+                                        backend=self.env.backend, model=full_model, scheduler=self.scheduler,
                                         fp16=self.scaler is not None, samples_per_step=self.plan.samples_per_step,
-                                        max_steps=self.max_steps, evaluate=self.evaluate)
+                                        max_steps=self.max_steps, evaluate=self.evaluate,
+                                        fsdp_units=self.ddp.unit_names if self.fsdp.enabled else None)
         self.lock = None  # rank 0's lock on output_dir while train() runs
 
     # --8<-- [start:window]
@@ -108,9 +115,10 @@ class Trainer:
         n = len(micro_batches)
         num_items = self._num_items(micro_batches)
         total = torch.zeros((), dtype=torch.float64, device=self.device)  # summed on the device: no host sync
-        # ZeRO stage 2 syncs every micro-batch, as DeepSpeed does (it refuses no_sync at stage 2): no_sync would keep
-        # a full-size .grad between micro-batches, the memory stage 2 frees; the shards accumulate instead
-        every = self.zero_stage == 2
+        # ZeRO stages 2 and 3 sync every micro-batch, as DeepSpeed does (it refuses no_sync there): no_sync would keep
+        # a full-size .grad between micro-batches, the memory they free; the shards accumulate instead. FSDP's no_sync
+        # (fsdp=...) is set_requires_gradient_sync(False), as Accelerate does: fewer collectives, full gradients kept
+        every = self.zero_stage >= 2
         for j, batch in enumerate(micro_batches):
             with nullcontext() if j == n - 1 or every else self.ddp.no_sync():  # DDP: sync the last one only
                 with self.autocast():
@@ -141,7 +149,10 @@ class Trainer:
 
     def _clip(self, max_norm: float) -> torch.Tensor:
         """After the sync, every rank clips the same averaged gradient (0: not clipped); returns its total norm.
-        Under ZeRO every ``.grad`` is None: the optimizer's shards hold the gradient (one all-reduce for the norm)."""
+        Under ZeRO every ``.grad`` is None: the optimizer's shards hold the gradient (one all-reduce for the norm);
+        under FSDP each rank's ``.grad`` is its shard's: torch's function would see one rank's part only."""
+        if self.fsdp.enabled:
+            return self.ddp.clip_grad_norm_(max_norm if max_norm > 0 else math.inf)  # inf: the norm alone
         if isinstance(self.optimizer, ZeroOptimizer):
             return self.optimizer.clip_grad_norm_(max_norm if max_norm > 0 else math.inf)  # inf: the norm alone
         if max_norm > 0:
@@ -178,7 +189,8 @@ class Trainer:
         """``eval_loss`` and ``compute_metrics``' results (prefixed ``eval_``) over all of eval_dataset."""
         return evaluate(self.model, self.eval_dataset, device=self.device,
                         batch_size=self.args.per_device_eval_batch_size, collate_fn=self.data_collator,
-                        compute_loss_func=self.compute_loss_func, compute_metrics=self.compute_metrics)
+                        compute_loss_func=self.compute_loss_func, compute_metrics=self.compute_metrics,
+                        lockstep=self.fsdp.enabled)  # FSDP: every forward is a collective, as many on every rank
 
     def _loop(self) -> None:
         state = self.state

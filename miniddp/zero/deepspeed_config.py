@@ -163,16 +163,16 @@ def accelerate_variables(block, source: str) -> dict[str, str]:
         where, shown = f"deepspeed_config.{key}", f": {json.dumps(value, default=str)}"
         if key not in VARIABLES and key not in ONLY:
             raise DeepSpeedConfigError(source, where, f"{shown}: not implemented in miniddp (it runs ZeRO stages "
-                                       "0-2 on its own engine): delete it, or use accelerate launch with DeepSpeed")
+                                       "0-3 on its own engine): delete it, or use accelerate launch with DeepSpeed")
         if "deepspeed_config_file" in block and key not in WITH_FILE:
             raise DeepSpeedConfigError(source, where, f"{shown}: with deepspeed_config_file the JSON says it "
                                        "(Accelerate refuses both): delete it here")
         if key in ONLY and value != ONLY[key]:
             raise DeepSpeedConfigError(source, where, f"{shown}: miniddp implements {json.dumps(ONLY[key])} only "
-                                       "(no offloading, no stage 3, torchrun on each machine): set it so or delete it")
+                                       "(no offloading, no zero.Init or 16-bit save, torchrun on each machine): set it "
+                                       "so or delete it")
         if key == "zero_stage" and (type(value) is not int or value not in STAGES):
-            raise DeepSpeedConfigError(source, where, f"{shown}: miniddp runs ZeRO stage 0, 1 or 2" +
-                                       (" (stage 3, parameter sharding, is DeepSpeed's)" if value == 3 else ""))
+            raise DeepSpeedConfigError(source, where, f"{shown}: miniddp runs ZeRO stage 0, 1, 2 or 3")
         if key == "gradient_accumulation_steps" and (type(value) is not int or value < 1):
             raise DeepSpeedConfigError(source, where, f"{shown} must be a whole number >= 1")
         if key == "gradient_clipping" and (type(value) not in (int, float) or not value >= 0):
@@ -197,8 +197,8 @@ def accelerate_deepspeed_config(environ=None) -> tuple[dict, str] | None:
     source = "accelerate's deepspeed_config (ACCELERATE_* variables)"
     for key in ("zero3_init_flag", "zero3_save_16bit_model"):
         if env.get(VARIABLES[key], "false").lower() in TRUE_WORDS:
-            raise DeepSpeedConfigError(source, key, f"is a ZeRO stage 3 setting; miniddp implements stages 0-2: "
-                                       f"unset {VARIABLES[key]}")
+            raise DeepSpeedConfigError(source, key, f"is not implemented: stage 3 builds the model whole on every "
+                                       f"rank, then shards it; final_model.pt is full: unset {VARIABLES[key]}")
     stage = env.get(VARIABLES["zero_stage"], "2")  # Accelerate's default stage
     config = {"zero_optimization": {"stage": int(stage) if stage.isascii() and stage.isdigit() else stage}}
     for key in ("gradient_accumulation_steps", "gradient_clipping"):  # "auto" when unset: the trainer's

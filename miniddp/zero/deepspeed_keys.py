@@ -1,9 +1,9 @@
-"""DeepSpeed's keys, checked against what miniddp implements: ZeRO stage 0, 1 or 2 on miniddp's own engine.
+"""DeepSpeed's keys, checked against what miniddp implements: ZeRO stage 0, 1 or 2 on its own engine, 3 on fully_shard.
 
 What
     The key table of ``deepspeed_config.py``, the one reader of a DeepSpeed config. This is miniddp's ZeRO
     (``reduce_scatter_optimizer.py``) read from DeepSpeed's names, not DeepSpeed. ``check_keys`` accepts
-    ``zero_optimization.stage`` 0, 1 or 2, the batch, clipping and precision keys, and the ZeRO keys that describe
+    ``zero_optimization.stage`` 0, 1, 2 or 3, the batch, clipping and precision keys, and the ZeRO keys that describe
     what miniddp does anyway (``ACCEPTED``); every other key is a ``DeepSpeedConfigError`` whose ``.key`` is its
     dotted path, in one line with the fix. ``zero_settings`` fills ``"auto"`` from the trainer's values and refuses
     a concrete value that disagrees with them, as Hugging Face's ``HfTrainerDeepSpeedConfig.trainer_config_process``
@@ -13,7 +13,7 @@ What
 
 Why
     The stage is the part that teaches (what is sharded, what it costs). A key accepted and then not acted on
-    (offloading, stage 3, an optimizer other than AdamW) would be a silent wrong answer: each is one line at
+    (offloading, ZeRO++, an optimizer other than AdamW) would be a silent wrong answer: each is one line at
     config time, before any rank trains.
 
 How DeepSpeed and Hugging Face differ
@@ -30,7 +30,7 @@ import json
 import math
 from dataclasses import dataclass
 
-STAGES = (0, 1, 2)
+STAGES = (0, 1, 2, 3)
 ELEMENT_BYTES = 4  # reduce_bucket_size counts fp32 gradient elements; DDP's cap counts MiB
 # --8<-- [start:accepted]
 # What miniddp reads. "matched": "auto" or equal to the trainer's value (Hugging Face's trainer_config_process).
@@ -41,8 +41,10 @@ ACCEPTED = {
     "gradient_clipping": "matched: max_grad_norm (0: no clipping)",
     "fp16.enabled": "matched: mixed_precision fp16 (its loss-scale keys only while fp16 is off)",
     "bf16.enabled": "matched: mixed_precision bf16",
-    "zero_optimization.stage": "0 (DDP), 1 (optimizer state sharded) or 2 (gradients too)",
-    "zero_optimization.reduce_bucket_size": "DDP's bucket cap, elements x 4 bytes; auto: ddp_bucket_cap_mb",
+    "zero_optimization.stage": "0 (DDP), 1 (optimizer state sharded), 2 (gradients too) or 3 (parameters too: "
+                               "miniddp.fully_shard, units per block, see docs/trainer.md)",
+    "zero_optimization.reduce_bucket_size": "DDP's bucket cap, elements x 4 bytes; auto: ddp_bucket_cap_mb (stage 3: "
+                                            "read, not used: a unit is FSDP's bucket)",
     "zero_optimization.reduce_scatter": "true: each bucket is reduce-scattered",
     "zero_optimization.allgather_partitions": "true: the parameters are all-gathered after the step",
     "zero_optimization.allgather_bucket_size": "read, not used: the all-gather goes bucket by bucket",
@@ -50,6 +52,14 @@ ACCEPTED = {
     "zero_optimization.contiguous_gradients": "read, not used: a bucket is one contiguous buffer",
     "zero_optimization.offload_optimizer.device": "none: nothing is offloaded",
     "zero_optimization.offload_param.device": "none: nothing is offloaded",
+    "zero_optimization.sub_group_size": "read, not used: the optimizer steps each rank's shards at once",
+    "zero_optimization.stage3_prefetch_bucket_size": "read, not used: the next unit's gather is posted in the recorded "
+                                                     "order, one unit ahead",
+    "zero_optimization.stage3_param_persistence_threshold": "read, not used: every parameter of a unit is sharded",
+    "zero_optimization.stage3_max_live_parameters": "read, not used: one unit (and the next, prefetched) is gathered",
+    "zero_optimization.stage3_max_reuse_distance": "read, not used: a unit is freed after its forward",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "read, not used: final_model.pt is always gathered "
+                                                                   "full, in the parameters' dtype",
     "zero_allow_untested_optimizer": "read, not used: ZeRO steps torch's AdamW",
     "steps_per_print": "read, not used: DeepSpeed's console log; the trainer logs every logging_steps",
     "wall_clock_breakdown": "false: no timing breakdown",
@@ -83,7 +93,7 @@ class DeepSpeedConfigError(ValueError):
 class ZeroSettings:
     """What a DeepSpeed config asks of miniddp."""
 
-    stage: int = 0  # 0: plain DDP; 1: the optimizer state sharded; 2: the gradients too
+    stage: int = 0  # 0: plain DDP; 1: the optimizer state sharded; 2: the gradients too; 3: fully_shard
     bucket_cap_mb: float | None = None  # from zero_optimization.reduce_bucket_size; None: ddp_bucket_cap_mb's
     schedule: object = None  # deepspeed_optim.Schedule, from the scheduler block; None: the trainer's linear decay
 
@@ -123,8 +133,8 @@ def _refusal(key: str, value, flat: dict) -> str | None:
         return None  # offloading to "none": its other keys configure nothing
     if block is not None and key not in ACCEPTED:
         return FIXES[block]
-    if key.startswith(("zero_optimization.stage3_", "zero_optimization.zero_")):
-        return "is a ZeRO stage 3 (or ZeRO++) setting; miniddp implements stages 0-2: delete it"
+    if key.startswith(("zero_optimization.stage3_", "zero_optimization.zero_")) and key not in ACCEPTED:
+        return "is a ZeRO++ (or stage 3 tuning) setting miniddp does not implement: delete it"
     if key.startswith("fp16.") and flat.get("fp16.enabled") is not True:
         return None  # a loss scaler that is off configures nothing
     if key not in ACCEPTED:
@@ -135,8 +145,7 @@ def _refusal(key: str, value, flat: dict) -> str | None:
     if key in wanted and value != wanted[key]:
         return f"={json.dumps(value)}: {FIXES.get(key.rpartition('.')[0]) or 'set it to ' + json.dumps(wanted[key])}"
     if key == "zero_optimization.stage" and (value not in STAGES or type(value) is not int):
-        return (f"={json.dumps(value)}: ZeRO stage 3 (parameter sharding) is not implemented in miniddp: use 0, 1 "
-                "or 2, or DeepSpeed itself") if value == 3 else f"={json.dumps(value)} must be 0, 1 or 2"
+        return f"={json.dumps(value)} must be 0, 1, 2 or 3"
     return None
 
 
@@ -188,7 +197,7 @@ def zero_settings(config: dict, source: str, args: dict) -> ZeroSettings:
                                        f"Hugging Face does) or to {json.dumps(want)}", disagrees_with=name)
     stage = _check_flat(flat, source)  # with "auto" filled: fp16's loss-scale keys count once fp16 is on
     cap = flat.get("zero_optimization.reduce_bucket_size", "auto")
-    if cap == "auto":
+    if cap == "auto" or stage == 3:  # stage 3 runs fully_shard: a unit is its bucket
         return ZeroSettings(stage=stage)
     if number_problem(cap, *RANGES["zero_optimization.reduce_bucket_size"]):
         raise DeepSpeedConfigError(source, "zero_optimization.reduce_bucket_size", number_problem(

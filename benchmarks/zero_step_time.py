@@ -13,7 +13,10 @@ batch 32 per rank, AdamW, default buckets), one per variant, on the same batches
   design: AdamW on the parameters this rank owns, then one broadcast per parameter from its owner).
 
 After a warm-up the variants take turns in chunks of ``--chunk`` steps, in an order that rotates every round. A
-step is forward + backward + ``step()`` + ``zero_grad()``, timed from a barrier, the slower rank's time. Per
+step is forward + backward + ``step()`` + ``zero_grad()``; a chunk starts at a barrier with one untimed step, and
+each step's time is from the end of the step before to its own end, the slower rank's (per step, gathered after
+the chunk). No barrier between timed steps: ``ZeroOptimizer`` leaves its all-gather in flight after ``step()``
+(``zero/gather_prefetch.py``), and the next forward waits for it; a barrier there would wait for it untimed. Per
 round, a variant's time is the median of its chunk; the figure of merit is the median over rounds of the per-round
 ratio variant / DDP, with its quartiles. ``--links loopback`` runs the two ranks on this machine's loopback; ``1``
 runs them in two network namespaces joined by a veth shaped to 1 Gbit/s (tbf). Each rank calls
@@ -62,16 +65,24 @@ def build(name: str, model: torch.nn.Module, candidate: str | None = None):
     return ddp, miniddp.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, lr=LR)
 
 
-def step(ddp, optimizer, x, y) -> float:
-    """One training step from a barrier; the slower rank's seconds."""
-    dist.barrier()
-    start = time.perf_counter()
+def step(ddp, optimizer, x, y) -> None:
     F.cross_entropy(ddp(x), y).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+
+
+def chunk_times(ddp, optimizer, x, y, n: int) -> list[float]:
+    """``n`` consecutive steps after a barrier and one untimed step: each from the end of the step before to its
+    own end (what the step left in flight is paid by the next), the slower rank's seconds."""
+    dist.barrier()
+    step(ddp, optimizer, x, y)
+    ends = [time.perf_counter()]
+    for _ in range(n):
+        step(ddp, optimizer, x, y)
+        ends.append(time.perf_counter())
+    elapsed = torch.tensor([b - a for a, b in zip(ends, ends[1:])], dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
+    return elapsed.tolist()
 
 
 def quartiles(values: list[float]) -> tuple[float, float, float]:
@@ -101,7 +112,7 @@ def train(rank: int, world_size: int, rounds: int, chunk: int, warmup: int, batc
     times: dict[str, list[list[float]]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % len(names):] + names[: r % len(names)]:  # rotate who goes first
-            times[name].append([step(*runs[name], x, y) for _ in range(chunk)])
+            times[name].append(chunk_times(*runs[name], x, y, chunk))
     reference = list(runs["DDP + AdamW"][0].parameters())
     drift = {name: max((p - q).abs().max().item() for p, q in zip(ddp.parameters(), reference))
              for name, (ddp, _) in runs.items()}

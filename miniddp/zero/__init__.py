@@ -10,7 +10,8 @@ What
     ``zero_partition.py`` (which rank owns which parameter's state) and ``zero_redundancy_optimizer.py``
     (``ZeroRedundancyOptimizer``, torch's signature). Stages 1 and 2 through the engine, as DeepSpeed
     builds them: ``gradient_shards.py`` (each bucket reduce-scattered, a shard of the mean kept) and
-    ``reduce_scatter_optimizer.py`` (``ZeroOptimizer``: the shard stepped, the parameters all-gathered).
+    ``reduce_scatter_optimizer.py`` (``ZeroOptimizer``: the shard stepped, the parameters all-gathered) and
+    ``gather_prefetch.py`` (that all-gather left in flight after the step, each parameter waited for at its use).
     DeepSpeed's config, read into what is implemented: ``deepspeed_config.py`` (the names, the stage),
     ``deepspeed_keys.py`` (every key checked, honoured or refused) and ``deepspeed_optim.py`` (its
     ``optimizer`` and ``scheduler`` blocks, as AdamW and warmup schedules).

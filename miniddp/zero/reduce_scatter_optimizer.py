@@ -4,7 +4,9 @@ What
     It attaches to a ``DistributedDataParallel`` before its first forward: each bucket is reduce-scattered instead
     of all-reduced (``gradient_shards.ReduceScatterMean``), and this rank's optimizer (``self.optim``, an
     ``optimizer_class``) steps only its ``Piece``s of the parameters, with the shard of the averaged gradient as
-    their ``.grad``. ``step()`` then all-gathers each bucket's updated parameters, bucket by bucket. Its
+    their ``.grad``. ``step()`` then posts the all-gather of the updated parameters and returns; each parameter is
+    waited for where it is next read, so the exchange runs behind the next forward (``gather_prefetch.py``;
+    ``prefetch=False``: waited for in ``step()``, as inside a ``Join``). Its
     ``param_groups`` are the whole model's (schedulers change them); ``state_dict()`` gathers the full state in
     ``torch.optim``'s format, and ``load_state_dict`` cuts it again, so a checkpoint moves between world sizes.
     It may hold part of the DDP (``params=``): the rest keep DDP's averaged ``.grad`` for another optimizer
@@ -26,7 +28,8 @@ How torch and DeepSpeed differ
     torch's ``ZeroRedundancyOptimizer`` (``zero_redundancy_optimizer.py`` here) keeps DDP's all-reduce and
     broadcasts each parameter from its owner: ZeRO-1 with an all-reduce's bytes *plus* a broadcast's. DeepSpeed's
     ``DeepSpeedZeroOptimizer`` (``stage_1_and_2.py``) is this class's model: flat partitions, a reduce-scatter,
-    an all-gather, clipping on the shards; it refuses ``no_sync`` under stage 2. Only elementwise optimizers (SGD,
+    an all-gather, clipping on the shards; it refuses ``no_sync`` under stage 2, and waits for its all-gather in
+    ``step()``. Only elementwise optimizers (SGD,
     Adam, AdamW, ...) give the same step on pieces as on whole tensors; one that reads a whole tensor (LAMB's
     trust ratio, Adafactor's factored moments) does not, as in DeepSpeed's flat partitions. DeepSpeed reduces
     only its own optimizer's gradients and takes one optimizer (Muon and AdamW as one ``MuonWithAuxAdam``); here
@@ -42,6 +45,7 @@ import torch.distributed as dist
 
 from ..collectives.shard_collectives import all_gather_pieces, broadcast
 from ..engine.join import Joinable, JoinHook, Round
+from .gather_prefetch import GatherPrefetch
 from .gradient_shards import BucketMemory, PartlyHeld, ReduceScatterMean, Shards
 from .zero_partition import partition_by_size
 
@@ -56,7 +60,7 @@ class ReduceScatterJoinHook(JoinHook):
 
     def main_hook(self, plan: Round) -> None:
         if plan.flags["will_sync"]:  # its shard got the active ranks' mean (gradient_shards.land_joined): step, gather
-            self.zero.step()
+            self.zero._step(None, prefetch=False)  # as the active ranks, inside their Join: waited for
             self.zero.zero_grad()  # the active ranks zero theirs in their loop; a joined rank has none
 
 
@@ -64,7 +68,8 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
     """ZeRO stage 1 or 2 of ``ddp``'s parameters with a local ``optimizer_class``; see the module docstring."""
 
     # --8<-- [start:attach]
-    def __init__(self, ddp, optimizer_class: type[torch.optim.Optimizer], stage: int = 2, params=None, **defaults):
+    def __init__(self, ddp, optimizer_class: type[torch.optim.Optimizer], stage: int = 2, params=None, *,
+                 prefetch: bool = True, **defaults):
         if stage not in (1, 2):
             raise ValueError(f"ZeroOptimizer(stage={stage!r}): stage is 1 (optimizer state) or 2 (and gradients); "
                              "stage 0 is plain DDP with optimizer_class, stage 3 is not implemented in miniddp")
@@ -82,6 +87,8 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
                           for r in range(self.world_size)]  # pieces_of[rank][bucket]: whose elements are whose
         self.reduce_scatter = ReduceScatterMean(self.shards, self.world_size, frees_gradients=stage == 2)
         self._lay_out()
+        index_of = {id(p): i for b in reducer.buckets for i, p in zip(b.indices, b.params)}
+        self.prefetch = GatherPrefetch(ddp, index_of) if prefetch else None  # step's all-gather, waited at use
         self.optim = optimizer_class(self._local_groups(), **defaults)  # steps this rank's pieces only
         self.defaults = self.optim.defaults  # every option (AdamW's betas too), so state_dict() loads anywhere
         for group, local in zip(self.param_groups, self.optim.param_groups):
@@ -127,6 +134,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
         pieces and owned parameters join the local optimizer), so the next ``step()`` steps it, as torch's does."""
         super().add_param_group(param_group)
         if self.attached:
+            self.wait_for_parameters()
             self._lay_out()
             self.optim.add_param_group(self._local_groups()[-1])
             self.param_groups[-1].update({k: v for k, v in self.optim.param_groups[-1].items() if k != "params"})
@@ -134,27 +142,44 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
 
     # --8<-- [start:step]
     def step(self, closure=None):
-        """Step this rank's pieces, then all-gather each bucket's parameters from the ranks' chunks."""
+        """Step this rank's pieces, then post the all-gather of each bucket's parameters from the ranks' chunks:
+        each parameter is waited for where it is next read (``gather_prefetch.py``). Inside a ``Join``, or with
+        ``prefetch=False``, they are waited for here."""
+        return self._step(closure, prefetch=self.join_context is None)
+
+    def _step(self, closure, prefetch: bool):
         if self.join_context is not None and self.join_context.joinables[0] is self:
             self.join_context.notify(will_sync=True)
+        self.wait_for_parameters()  # the last step's exchanges still write into (and read) what this one steps
         for group, local in zip(self.param_groups, self.optim.param_groups):
             local.update({k: v for k, v in group.items() if k != "params"})  # lr as the scheduler set it
         loss = self.optim.step(closure)
-        self._gather_parameters()
+        self._gather_parameters(prefetch and self.prefetch is not None)
         return loss
 
-    def _gather_parameters(self) -> None:
+    def _gather_parameters(self, prefetch: bool) -> None:
         """Each bucket's held pieces from their owners, each outside parameter from its owner: every exchange
-        posted before any is waited for."""
+        posted before any is waited for. ``prefetch``: the buckets' are posted in the forward's order and left
+        in flight, once every rank has recorded the same order."""
         group = self.ddp.reducer.group
-        pending = []
+        buckets = []
         for b, bucket in enumerate(self.shards.buckets):
             pieces = [[piece for piece in owner[b] if piece.index in self.held] for owner in self.pieces_of]
             if any(pieces):  # a bucket no group holds is another optimizer's, stepped alike on every rank
-                pending.append(all_gather_pieces(pieces, self.shards.chunk[b], bucket.buffer, group))
+                buckets.append((pieces, self.shards.chunk[b], bucket.buffer))
+        if prefetch and self.prefetch.agreed(group):
+            self.prefetch.post(buckets, group)
+            buckets = []
+        pending = [all_gather_pieces(*bucket, group) for bucket in buckets]
         pending += [broadcast(p.detach(), dist.get_global_rank(group, self.owner[id(p)]), group) for p in self.outside]
         for work in pending:
             work.wait()
+
+    def wait_for_parameters(self) -> None:
+        """Wait for the last step's all-gathers: before reading parameters through references kept from before
+        the step (reads through their modules wait by themselves), or destroying the process group yourself."""
+        if self.prefetch is not None:
+            self.prefetch.wait_all()
     # --8<-- [end:step]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -188,6 +213,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
     def state_dict(self) -> dict:
         """The whole optimizer's state in ``torch.optim``'s format (global parameter indices), on every rank: a
         collective (each rank sends its pieces' state once)."""
+        self.wait_for_parameters()  # a checkpoint's model and optimizer describe one step
         index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         local = [(index[id(piece.param)], piece.start, _to_cpu(self.optim.state[piece.tensor]))
                  for pieces in self.shards.pieces for piece in pieces
@@ -207,6 +233,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Joinable):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Keep each of this rank's pieces' slice of the full state (any world size saved it) and the options."""
+        self.wait_for_parameters()
         if len(state_dict["param_groups"]) != len(self.param_groups):
             raise ValueError(f"state_dict has {len(state_dict['param_groups'])} param groups, this optimizer "
                              f"{len(self.param_groups)}")

@@ -7,7 +7,8 @@ What
     ``count_bytes()`` (``byte_count.py``), as does ``broadcast`` (a parameter outside the buckets, owned whole).
     On gloo (the desync detector's checked gloo too: ``backend_name``) they are direct point-to-point exchanges:
     every rank sends chunk j to rank j (and receives its own chunk from every rank), or its chunk to every rank,
-    all posted at once with ``dist.batch_isend_irecv``; a thread waits for the receives and completes the future.
+    all posted at once with ``dist.batch_isend_irecv``; one thread per process waits for the receives and completes
+    the futures, in order.
     Each message is cut into segments of at most ``SEGMENT_BYTES`` (both ends cut a tensor alike, so they pair up
     in order). On NCCL and others, torch's ``reduce_scatter_single`` / ``all_gather_single``.
 
@@ -28,6 +29,8 @@ How torch differs
 
 from __future__ import annotations
 
+import os
+import queue
 import threading
 
 import torch
@@ -77,8 +80,27 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group) -> torch.fu
             future.set_exception(error)
         else:
             future.set_result(output)
-    threading.Thread(target=complete, daemon=True).start()
+    _completer().put(complete)
     return future
+
+
+_queue: tuple[int, queue.SimpleQueue] | None = None  # (pid, queue): one thread per process completes them all
+
+
+def _completer() -> queue.SimpleQueue:
+    """The queue of one long-lived thread that completes every reduce-scatter, in the order they were posted
+    (the order their messages arrive in): starting a thread per call cost more than some exchanges. A forked
+    child gets its own (the parent's thread is not in it)."""
+    global _queue
+    if _queue is None or _queue[0] != os.getpid():
+        jobs = queue.SimpleQueue()
+
+        def serve():
+            while True:
+                jobs.get()()
+        threading.Thread(target=serve, daemon=True, name="reduce-scatter completer").start()
+        _queue = (os.getpid(), jobs)
+    return _queue[1]
 
 
 class _Works:

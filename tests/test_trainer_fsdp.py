@@ -82,19 +82,21 @@ def test_fsdp_shard_grad_op_and_stage_3_train_the_weights_ddp_trains(tmp_path):
     runs = [{}, {"fsdp": "full_shard auto_wrap", "fsdp_config": LINEAR},
             {"fsdp": "shard_grad_op auto_wrap", "fsdp_config": {"fsdp_min_num_params": 2000}},
             {"deepspeed": _zero(3)}, {"fsdp": "full_shard auto_wrap", "fsdp_config": LINEAR, "max_grad_norm": 0.0},
+            *[{"fsdp": "full_shard auto_wrap", "fsdp_config": LINEAR, "gradient_checkpointing": True,
+               "gradient_checkpointing_kwargs": {"use_reentrant": reentrant}} for reentrant in (False, True)],
             *[{"model": "bn", "max_grad_norm": 0.0, **extra} for extra in  # AdamW magnifies a clip's rounding in
               ({}, {"fsdp": "full_shard auto_wrap", "fsdp_config": LINEAR},  # the bias BatchNorm cancels: unclipped
                {"fsdp": "full_shard auto_wrap", "fsdp_config": LINEAR, "ddp_broadcast_buffers": False})]]
     runs = [{**run, "output_dir": str(tmp_path / f"run{i}")} for i, run in enumerate(runs)]
     (ddp, m0, n0, f0), (full, m1, n1, f1), (grad_op, m2, n2, f2), (stage3, m3, n3, f3), (unclipped, _, _, _), \
-        (bn_ddp, b0, _, _), (bn_fsdp, b1, _, _), (_, b2, _, _) = \
+        (recomputed, _, _, _), (reentrant, _, _, _), (bn_ddp, b0, _, _), (bn_fsdp, b1, _, _), (_, b2, _, _) = \
         run_on_ranks(_train_each, 2, args=(runs,), init=False, timeout=120)[0]
     # BatchNorm's running statistics: rank 0's before each forward, as DDP's ddp_broadcast_buffers makes them (each
     # rank evaluates with its own: without the broadcast, rank 1's drifted statistics show in eval_loss)
     assert any("running_mean" in k for k in bn_ddp) and _max_diff(bn_fsdp, bn_ddp) < TOLERANCE
     assert abs(b1["eval_loss"] - b0["eval_loss"]) < TOLERANCE < 100 * TOLERANCE < abs(b2["eval_loss"] - b0["eval_loss"])
     assert ddp.keys() == make_task(TrainingConfig(**BASE))["model"].state_dict().keys()  # plain, full names
-    for weights in (full, grad_op, stage3):
+    for weights in (full, grad_op, stage3, recomputed, reentrant):  # gradient checkpointing recomputes a unit
         assert _max_diff(weights, ddp) < TOLERANCE
     assert _max_diff(unclipped, ddp) > 1e-3  # the control: an FSDP that did not clip would be caught
     assert all(abs(m["eval_loss"] - m0["eval_loss"]) < TOLERANCE for m in (m1, m2, m3))  # ranks ran 2 and 1 batches

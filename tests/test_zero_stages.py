@@ -12,6 +12,9 @@ outside DDP (against torch's ZeroRedundancyOptimizer) and stages 1 and 2 on a gr
 One multi-rank session per world size runs every check, since starting processes is most of the cost.
 """
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -562,3 +565,14 @@ def test_stages_1_and_2_train_under_the_desync_detector_as_without_it(sessions, 
         checked = result["checked"]
         assert checked["bitwise"] == {1: True, 2: True}
         assert checked["collectives"] > 0 and checked["messages"] > 0  # it did check, collectives and exchanges
+
+
+def test_an_exchange_still_completing_when_the_main_thread_ends_finishes_instead_of_aborting():
+    # the reduce-scatters' thread completes a future after the script's last line: a daemon thread would be ended inside
+    # torch's C++ code there (SIGABRT at exit, seen under FSDP's last reduce-scatter), or never print
+    script = ("import time, torch\nfrom miniddp.collectives import shard_collectives as sc\n"
+              "done = torch.futures.Future()\n"
+              "def late():\n    time.sleep(0.3)\n    done.set_result(1)\n    print('completed', flush=True)\n"
+              "sc._completer().put(late)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "completed" in out.stdout, out.stderr[-2000:]

@@ -90,15 +90,24 @@ _queue: tuple[int, queue.SimpleQueue] | None = None  # (pid, queue): one thread 
 def _completer() -> queue.SimpleQueue:
     """The queue of one long-lived thread that completes every reduce-scatter, in the order they were posted
     (the order their messages arrive in): starting a thread per call cost more than some exchanges. A forked
-    child gets its own (the parent's thread is not in it)."""
+    child gets its own (the parent's thread is not in it). It is not a daemon: it ends once the main thread has
+    ended and nothing is queued, so interpreter shutdown waits for a future it is still completing (a daemon thread
+    that wakes during shutdown is ended inside torch's C++ code: SIGABRT at exit)."""
     global _queue
     if _queue is None or _queue[0] != os.getpid():
         jobs = queue.SimpleQueue()
+        main = threading.main_thread()
 
         def serve():
             while True:
-                jobs.get()()
-        threading.Thread(target=serve, daemon=True, name="reduce-scatter completer").start()
+                try:
+                    job = jobs.get(timeout=0.1)
+                except queue.Empty:
+                    if not main.is_alive():  # the script has ended and nothing is left to complete
+                        return
+                    continue
+                job()
+        threading.Thread(target=serve, daemon=False, name="reduce-scatter completer").start()
         _queue = (os.getpid(), jobs)
     return _queue[1]
 

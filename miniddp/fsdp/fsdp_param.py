@@ -93,7 +93,6 @@ class FSDPParam:
         """Give the full tensor's memory back: the tensor object (which autograd may have saved) stays, empty,
         so a backward that reads it without a gather fails on its shape instead of reading freed memory."""
         self.unsharded.data = self.unsharded.data.new_empty(0)
-        self.allocated = False
 
     def fill(self, pieces: torch.Tensor) -> None:
         """The gathered pieces (``pieces[r]``: rank r's shard, flat) become the full tensor's data, copied once
@@ -102,7 +101,6 @@ class FSDPParam:
         for r, (start, stop) in enumerate(self.spans()):
             full.view(-1)[start:stop].copy_(pieces[r, : stop - start])
         self.unsharded.data = full
-        self.allocated = True
     # --8<-- [end:storage]
 
     def register(self, kind: str) -> None:

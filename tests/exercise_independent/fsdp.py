@@ -59,7 +59,6 @@ class FSDPParamGroup:
             for p, start in zip(self.params, self.offsets):
                 rows = torch.cat([piece[start : start + p.shard_numel] for piece in pieces])  # padded, flat
                 p.unsharded.data = p.unpad(rows).to(p.unsharded.dtype).clone()  # the same tensor, new data
-                p.allocated = True
             self.pending_gather = None
             self.state = "unsharded"
         for p in self.params:
@@ -72,7 +71,6 @@ class FSDPParamGroup:
             self.pending_gather = None
         for p in self.params:
             p.unsharded.data = torch.empty(0, dtype=p.unsharded.dtype, device=p.unsharded.device)
-            p.allocated = False
             p.register("freed" if mid_step else "shard")
         self.state = "sharded"
     # --8<-- [end:gather]

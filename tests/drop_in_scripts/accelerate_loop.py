@@ -14,6 +14,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401 - before the group exists: see the script's end
 import torch.nn.functional as F
 from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGroupKwargs
 
@@ -66,3 +67,11 @@ seen = {"class": f"{type(model).__module__}.{type(model).__name__}", "backend": 
         "forwarded": forwarded}
 with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
     json.dump(seen, f)
+
+# The end of a job, as torch's docs ask: destroy the group, once nothing holds it (the DDP wrapper Accelerate made
+# does). Left alive, gloo's threads can abort a finished job at interpreter teardown (pytorch#190489). torch's DDP
+# imports torch.distributed.nn on first use, whose functions' defaults (group=group.WORLD) would hold the group for
+# good: imported before the group exists, they hold nothing.
+del model
+accelerator.free_memory()  # Accelerate keeps what it prepared, the wrapper included
+accelerator.end_training()  # Accelerate's own end: it destroys the group

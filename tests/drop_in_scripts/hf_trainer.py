@@ -86,3 +86,8 @@ seen = {"class": f"{type(wrapped).__module__}.{type(wrapped).__name__}", "backen
         "timeout_s": backend.options._timeout.total_seconds() if hasattr(backend, "options") else None}
 with open(os.path.join(args.output_dir, f"rank{rank}.json"), "w") as f:
     json.dump(seen, f)
+
+# The end of a job, as torch's docs ask: destroy the group, once nothing holds it (the Trainer, through its DDP
+# wrapper, does). Left alive, gloo's threads can abort a finished job at interpreter teardown (pytorch#190489).
+del trainer, wrapped, backend
+dist.destroy_process_group()

@@ -9,6 +9,7 @@ buffers to ``DIR/rankR.auto.pt`` and ``DIR/rankR.manual.pt``.
 """
 
 import argparse
+import gc
 import json
 import os
 
@@ -90,3 +91,9 @@ for name, module, accumulate in [("auto", Automatic(), args.accumulate_grad_batc
                   "forwarded": module.forwarded}
 with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
     json.dump(seen, f)
+
+# The end of a job, as torch's docs ask: destroy the group, once nothing holds it (Lightning's trainer, through its
+# DDP wrapper, does). Left alive, gloo's threads can abort a finished job at interpreter teardown (pytorch#190489).
+del trainer, module
+gc.collect()  # Lightning's objects refer to each other
+dist.destroy_process_group()

@@ -12,6 +12,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401 - before the group exists: see the script's end
 from torch.nn.parallel import DistributedDataParallel
 
 parser = argparse.ArgumentParser()
@@ -43,4 +44,10 @@ seen = {"argv": sys.argv, "name": __name__, "file": __file__, "path0": sys.path[
         is DistributedDataParallel}
 with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
     json.dump(seen, f)
+# The end of a job, as torch's docs ask: destroy the group, once nothing holds it (torch's DDP wrapper does). Left
+# alive, gloo's threads can abort a finished job at interpreter teardown (pytorch#190489). torch's DDP imports
+# torch.distributed.nn on first use, whose functions' defaults (group=group.WORLD) would hold the group for good:
+# imported before the group exists, they hold nothing.
+del ddp
+dist.destroy_process_group()
 sys.exit(args.exit)

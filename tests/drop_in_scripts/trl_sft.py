@@ -56,3 +56,8 @@ seen = {"class": f"{type(wrapped).__module__}.{type(wrapped).__name__}", "backen
         "logged_losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]}
 with open(os.path.join(args.output_dir, f"rank{rank}.json"), "w") as f:
     json.dump(seen, f)
+
+# The end of a job, as torch's docs ask: destroy the group, once nothing holds it (the trainer, through its DDP
+# wrapper, does). Left alive, gloo's threads can abort a finished job at interpreter teardown (pytorch#190489).
+del trainer, wrapped
+dist.destroy_process_group()

@@ -1,12 +1,13 @@
-"""The witness of what interpreter teardown meets, in every run of ``runs.py`` that asks for it.
+"""The witness of what interpreter teardown meets, in every run of ``runs.py`` that asks for it, and
+in every run of the drop-in tests' scripts.
 
 On ``PYTHONPATH``, Python's ``site`` imports this module at start-up, before the script's first line.
-With ``MINIDDP_EXIT_WITNESS=<file>`` set, it registers an atexit function before anything else is
-imported, so it runs last (atexit is last in, first out): after miniddp's destroy and torch's own
-handlers, just before ``Py_FinalizeEx``. It writes the names of the gloo threads still alive then
-(``pt_gloo_runloop``...): the abort of docs/failures.md #22 needs one of them to be. Without the
-variable it registers nothing. It reads ``/proc`` and imports only ``json``, at exit: importing more
-there would change what teardown meets.
+With ``MINIDDP_EXIT_WITNESS=<file>`` set (``{rank}`` in it becomes the process's ``RANK``), it
+registers an atexit function before anything else is imported, so it runs last (atexit is last in,
+first out): after miniddp's destroy and torch's own handlers, just before ``Py_FinalizeEx``. It
+writes the names of the gloo threads still alive then (``pt_gloo_runloop``...): the abort of
+docs/failures.md #22 needs one of them to be. Without the variable it registers nothing. It reads
+``/proc`` and imports only ``json``, at exit: importing more there would change what teardown meets.
 """
 
 import atexit
@@ -30,7 +31,7 @@ def _gloo_threads_at_teardown() -> None:
             continue
         if name.startswith(("pt_gloo", "gloo_")):
             names.append(name)
-    with open(_REPORT, "w") as f:
+    with open(_REPORT.replace("{rank}", os.environ.get("RANK", "")), "w") as f:
         json.dump(names, f)
 
 

@@ -1,4 +1,5 @@
-"""Small models with the features DDP must handle, shared by the DDP tests."""
+"""Small models with the features DDP must handle, shared by the DDP tests, and ``same_state`` to compare what
+they (and their optimizers) saved."""
 
 import torch
 import torch.nn as nn
@@ -87,3 +88,12 @@ class Branchy(nn.Module):
 
 MODELS = {"mlp": MLP, "tied": Tied, "frozen": Frozen, "batchnorm": WithBatchNorm, "mixed_dtypes": MixedDtypes,
           "reverse_order": ReverseOrder, "branchy": Branchy}
+
+
+def same_state(a, b) -> bool:
+    """Two states (a model's or an optimizer's ``state_dict``, nested dicts and lists) equal bit for bit."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+    return torch.equal(a, b) if torch.is_tensor(a) else a == b

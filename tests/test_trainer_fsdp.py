@@ -32,6 +32,8 @@ from miniddp.training.sharded_model import units_to_wrap
 from miniddp.training.tasks import TinyLM, make_task
 from miniddp.zero.deepspeed_keys import DeepSpeedConfigError
 
+from models import same_state
+
 TOLERANCE = 1e-6  # float32: FSDP differs from DDP only by the clipping norm's rounding
 BASE = {"max_steps": 6, "dataset_size": 256, "eval_size": 41, "per_device_eval_batch_size": 20,  # ranks: 2 and 1
         "disable_tqdm": True, "logging_steps": 3, "learning_rate": 0.01, "per_device_train_batch_size": 8,
@@ -127,20 +129,12 @@ def _loaded_state(rank, world_size, common, path):
     return before, trainer.checkpointer.optimizer.state_dict(), trainer.checkpointer.model.state_dict()
 
 
-def _same(a, b) -> bool:
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return torch.equal(a, b) if torch.is_tensor(a) else a == b
-
-
 def test_a_checkpoint_holds_the_full_model_resumes_exactly_and_loads_at_three_ranks(tmp_path):
     common = {"fsdp": "full_shard auto_wrap", "fsdp_config": LINEAR, "max_steps": 8, "eval_size": 0}
     done, resumed = run_on_ranks(_straight_then_resumed, 2, args=(common, str(tmp_path)), init=False, timeout=120)[0]
     assert resumed["global_step"] == 8 and resumed["train_loss"] == done["train_loss"]
     finals = [torch.load(tmp_path / run / "final_model.pt", weights_only=True) for run in ("a", "b")]
-    assert _same(finals[0], finals[1])  # bit for bit
+    assert same_state(finals[0], finals[1])  # bit for bit
     checkpoint = tmp_path / "a" / "checkpoint-4"
     model = make_task(TrainingConfig(**BASE))["model"]
     model.load_state_dict(torch.load(checkpoint / "model.pt", weights_only=True))  # strict: the plain model's
@@ -149,8 +143,8 @@ def test_a_checkpoint_holds_the_full_model_resumes_exactly_and_loads_at_three_ra
     assert all(saved["state"][n]["exp_avg"].shape == p.shape for n, p in model.named_parameters())
     for before, after, weights in run_on_ranks(_loaded_state, 3, args=(common, str(checkpoint)), init=False,
                                                timeout=120):
-        assert _same(after, saved) and _same(weights, torch.load(checkpoint / "model.pt", weights_only=True))
-        assert not _same(before, saved)  # the control: a fresh optimizer's state is not the saved one
+        assert same_state(after, saved) and same_state(weights, torch.load(checkpoint / "model.pt", weights_only=True))
+        assert not same_state(before, saved)  # the control: a fresh optimizer's state is not the saved one
 
 
 @pytest.mark.parametrize("overrides, key", [

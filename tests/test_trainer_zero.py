@@ -20,6 +20,8 @@ from miniddp import Trainer, TrainingConfig
 from miniddp.launching.spawn import run_on_ranks
 from miniddp.training.tasks import make_task
 
+from models import same_state
+
 TOLERANCE = 1e-6  # float32: stages 1 and 2 differ from stage 0 only by the clipping norm's rounding
 BASE = {"max_steps": 6, "dataset_size": 256, "eval_size": 0, "disable_tqdm": True, "logging_steps": 3,
         "learning_rate": 0.01, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 2,
@@ -144,14 +146,6 @@ def _loaded_state(rank, world_size, overrides, path):
     return before, trainer.optimizer.state_dict(), {k: v.clone() for k, v in trainer.model.state_dict().items()}
 
 
-def _same(a, b) -> bool:
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return torch.equal(a, b) if torch.is_tensor(a) else a == b
-
-
 def test_a_checkpoint_resumes_on_another_number_of_ranks(tmp_path):
     common = {"deepspeed": _zero(2), "max_steps": 8, "resume_allow_changes": True}
     straight, _, _ = _run(tmp_path, "two", save_steps=4, **common)
@@ -167,8 +161,8 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(tmp_path):
     model = torch.load(checkpoint / "model.pt", weights_only=True)
     for before, after, weights in run_on_ranks(_loaded_state, 3, args=(common, str(checkpoint)), init=False,
                                                timeout=120):
-        assert _same(after, saved) and _same(weights, model)
-        assert not _same(before, saved)  # the control: a fresh optimizer's state is not the saved one
+        assert same_state(after, saved) and same_state(weights, model)
+        assert not same_state(before, saved)  # the control: a fresh optimizer's state is not the saved one
 
 
 @pytest.mark.timeout(180)
